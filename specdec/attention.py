@@ -1,0 +1,124 @@
+"""Attention over packed ragged rows, reading keys and values from our KV cache (DESIGN §4).
+
+The runner registers ``specdec_attention`` with transformers' ``AttentionInterface``; every
+attention layer of the model then calls it with the query, key and value of the packed new
+tokens (after the rotary embedding) and our ``AttentionMetadata``. The function writes the new
+keys and values into the cache at (row, position) and lets each query attend to its own row's
+cached keys up to its own position (causal), optionally within a sliding window.
+
+Backends share one contract; ``reference_attention`` (plain torch) is the oracle: it gathers
+each row's keys up to the longest position in the pass and masks per query. It is exact in
+float64 and used on CPU; faster backends must equal it.
+
+Packed queries are laid out as ``[groups, max_queries]``: one group per contiguous run of
+tokens of one row. Linear layers and MLPs outside attention see only real tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import AttentionInterface
+
+from .cache import KVCache
+
+ATTENTION_NAME = "specdec"
+METADATA_KWARG = "specdec_metadata"
+
+
+@dataclass
+class AttentionMetadata:
+    cache: KVCache
+    token_rows: torch.Tensor  # [N] cache row of each packed token
+    token_positions: torch.Tensor  # [N] position of each packed token in its row
+    token_group: torch.Tensor  # [N] group (contiguous run of one row) of each token
+    token_slot: torch.Tensor  # [N] index of each token within its group
+    group_rows: torch.Tensor  # [G] cache row of each group
+    group_query_positions: torch.Tensor  # [G, Q] position of each query slot (0 in empty slots)
+    max_kv_len: int  # host: 1 + the largest position in the pass
+    backend: Callable
+
+
+def reference_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """query: [1, H, N, D], key/value: [1, Hkv, N, D] -> output [1, N, H, D]."""
+    layer_idx = module.layer_idx
+    meta.cache.write(layer_idx, meta.token_rows, meta.token_positions, key[0], value[0])
+
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    num_groups, max_queries = meta.group_query_positions.shape
+    num_kv_heads = key.shape[1]
+    heads_per_kv = num_heads // num_kv_heads
+
+    grouped_query = query.new_zeros(num_groups, max_queries, num_heads, head_dim)  # [G, Q, H, D]
+    grouped_query[meta.token_group, meta.token_slot] = query[0].transpose(0, 1)
+    grouped_query = grouped_query.view(num_groups, max_queries, num_kv_heads, heads_per_kv, head_dim)
+
+    kv_len = meta.max_kv_len
+    keys = meta.cache.keys[layer_idx][meta.group_rows, :, :kv_len]  # [G, Hkv, L, D]
+    values = meta.cache.values[layer_idx][meta.group_rows, :, :kv_len]  # [G, Hkv, L, D]
+
+    compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scores = torch.einsum("gqhrd,ghld->ghrql", grouped_query.to(compute_dtype), keys.to(compute_dtype))
+    scores = scores * scaling  # [G, Hkv, R, Q, L]
+
+    key_positions = torch.arange(kv_len, device=query.device)  # [L]
+    query_positions = meta.group_query_positions[:, :, None]  # [G, Q, 1]
+    visible = key_positions <= query_positions  # [G, Q, L]
+    if sliding_window is not None:
+        visible &= key_positions > query_positions - sliding_window
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    weights = scores.softmax(dim=-1)
+    grouped_out = torch.einsum("ghrql,ghld->gqhrd", weights, values.to(compute_dtype))  # [G, Q, Hkv, R, D]
+    grouped_out = grouped_out.reshape(num_groups, max_queries, num_heads, head_dim).to(query.dtype)
+    return grouped_out[meta.token_group, meta.token_slot][None]  # [1, N, H, D]
+
+
+BACKENDS: dict[str, Callable] = {"reference": reference_attention}
+
+_UNSUPPORTED_KWARGS = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sink logits",
+}
+
+
+def specdec_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function transformers calls in every attention layer while a runner drives the model."""
+    meta = kwargs.get(METADATA_KWARG)
+    if meta is None:
+        raise RuntimeError(
+            f"{type(module).__name__} is set to specdec's attention but was called outside a "
+            "specdec runner; restore the model's attention with model.set_attn_implementation('sdpa')"
+        )
+    for name, feature in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} uses {feature} ({name}), which specdec's attention "
+                "backends do not implement yet"
+            )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    output = meta.backend(module, query, key, value, meta, scaling, sliding_window)
+    return output, None
+
+
+AttentionInterface.register(ATTENTION_NAME, specdec_attention)

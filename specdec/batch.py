@@ -1,0 +1,64 @@
+"""The requests of one generate() call: committed tokens, budgets and which rows are done.
+
+Invariant: ``token_ids[r, :lengths[r]]`` is request r's prompt followed by every token committed
+so far, exactly; a row is finished once it has committed an EOS token or ``max_new_tokens``
+tokens, and a finished row takes part in no further forward pass. All of this is host-side
+control data, updated once per step from the verdict the step copied to the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .types import PAD_ID, HostVerdict
+
+
+class BatchState:
+    def __init__(self, prompts: list[np.ndarray], max_new_tokens: int, seeds: np.ndarray, eos_token_ids: np.ndarray):
+        self.num_rows = len(prompts)
+        self.prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # [B]
+        self.max_new_tokens = max_new_tokens
+        self.max_total_len = int(self.prompt_lengths.max()) + max_new_tokens
+        self.token_ids = np.full((self.num_rows, self.max_total_len), PAD_ID, dtype=np.int64)  # [B, T]
+        for row, prompt in enumerate(prompts):
+            self.token_ids[row, : len(prompt)] = prompt
+        self.lengths = self.prompt_lengths.copy()  # [B] committed tokens, prompt included
+        self.seeds = seeds.astype(np.int64)  # [B]
+        self.eos_token_ids = eos_token_ids.astype(np.int64)  # [E], may be empty
+        self.finished = np.full(self.num_rows, max_new_tokens == 0)  # [B]
+
+    @property
+    def num_generated(self) -> np.ndarray:
+        return self.lengths - self.prompt_lengths
+
+    @property
+    def remaining(self) -> np.ndarray:
+        """[B] tokens each row may still emit (0 once finished)."""
+        return np.where(self.finished, 0, self.max_new_tokens - self.num_generated)
+
+    def active_rows(self) -> np.ndarray:
+        return np.flatnonzero(~self.finished)
+
+    def last_token_ids(self, rows: np.ndarray) -> np.ndarray:
+        return self.token_ids[rows, self.lengths[rows] - 1]
+
+    def commit(self, verdict: HostVerdict) -> np.ndarray:
+        """Append each row's emitted tokens, cut after the first EOS and at the budget.
+
+        Returns [B] the number of tokens appended per row; sets ``finished``.
+        """
+        emitted = verdict.token_ids  # [B, K+1]
+        slots = np.arange(emitted.shape[1])
+        is_eos = np.isin(emitted, self.eos_token_ids) & (slots < verdict.num_emitted[:, None])  # [B, K+1]
+        through_eos = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, verdict.num_emitted)
+        appended = np.minimum(np.minimum(verdict.num_emitted, through_eos), self.remaining)  # [B]
+        rows, cols = np.nonzero(slots < appended[:, None])
+        self.token_ids[rows, self.lengths[rows] + cols] = emitted[rows, cols]
+        self.lengths += appended
+        hit_eos = is_eos.any(axis=1) & (through_eos <= appended)
+        self.finished |= hit_eos | (self.num_generated >= self.max_new_tokens)
+        return appended
+
+    def outputs(self) -> list[list[int]]:
+        """Generated tokens per request: prompt excluded, EOS included."""
+        return [self.token_ids[r, self.prompt_lengths[r] : self.lengths[r]].tolist() for r in range(self.num_rows)]

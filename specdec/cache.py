@@ -1,0 +1,54 @@
+"""Our own KV cache: preallocated per layer, one valid length per row, rollback by length.
+
+Invariant: for row r, positions [0, lengths[r]) of every layer hold the keys and values of
+the tokens the owner has committed to; anything at or beyond lengths[r] is stale and is simply
+overwritten by the next write at that position. Rolling back rejected draft tokens therefore
+costs nothing but lowering a length.
+
+Layout per layer: keys and values [max_rows, num_kv_heads, max_len, head_dim], allocated on
+the first write (when the model's head count, head size, dtype and device are known).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, max_rows: int, max_len: int):
+        self.num_layers = num_layers
+        self.max_rows = max_rows
+        self.max_len = max_len
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # [rows, kv_heads, max_len, head_dim]
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = np.zeros(max_rows, dtype=np.int64)  # valid positions per row (host)
+
+    def write(
+        self,
+        layer_idx: int,
+        token_rows: torch.Tensor,
+        token_positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Store new keys and values at (row, position).
+
+        token_rows, token_positions: [N]; keys, values: [kv_heads, N, head_dim].
+        """
+        if self.keys[layer_idx] is None:
+            num_kv_heads, _, head_dim = keys.shape
+            shape = (self.max_rows, num_kv_heads, self.max_len, head_dim)
+            self.keys[layer_idx] = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        self.keys[layer_idx][token_rows, :, token_positions] = keys.transpose(0, 1)
+        self.values[layer_idx][token_rows, :, token_positions] = values.transpose(0, 1)
+
+    def layers_written(self) -> int:
+        return sum(k is not None for k in self.keys)
+
+    def rollback(self, rows: np.ndarray, lengths: np.ndarray) -> None:
+        """Declare rows' valid lengths; entries beyond them become stale."""
+        if np.any(lengths > self.lengths[rows]):
+            raise ValueError("rollback can only shorten rows; use the runner to write new tokens")
+        self.lengths[rows] = lengths

@@ -1,0 +1,80 @@
+"""The Drafter protocol: propose a chain of tokens for the rows a plan assigns.
+
+Invariant: a drafter reads the committed tokens of the batch (``BatchState``) and keeps only
+its own state (a model's KV cache, say); it never sees verifiers or policies. ``propose``
+returns exactly one ``Draft`` over all B rows, with zero tokens for rows not asked; ``commit``
+tells it how much of its last proposal the target accepted, so it can roll back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+from ..batch import BatchState
+from ..types import PAD_ID, Draft, SamplingParams
+
+
+class Drafter(ABC):
+    #: size of the vocabulary the drafter proposes from; None if it copies tokens it has seen
+    vocab_size: int | None = None
+
+    def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
+        """Prepare for a generate() call (allocate caches). Called once before any propose."""
+
+    @abstractmethod
+    def propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
+        """Propose up to ``num_tokens[r]`` tokens after row r's committed tokens ([B] host array)."""
+
+    def commit(self, lengths_before: np.ndarray, num_accepted: np.ndarray) -> None:
+        """The step that began at committed lengths ``lengths_before`` accepted ``num_accepted``
+        draft tokens per row ([B] each)."""
+
+    def finish(self) -> None:
+        """Release what start() allocated."""
+
+    def device(self) -> torch.device | None:
+        """The device the drafter computes on, or None if it has no model."""
+        return None
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+def empty_draft(num_rows: int, device: torch.device) -> Draft:
+    return Draft(
+        token_ids=torch.full((num_rows, 0), PAD_ID, dtype=torch.int64, device=device),
+        num_tokens=np.zeros(num_rows, dtype=np.int64),
+    )
+
+
+def merge_drafts(drafts: list[Draft], owner: np.ndarray, vocab_size: int) -> Draft:
+    """One Draft from several drafters' proposals; row r comes from drafter ``owner[r]``.
+
+    If some drafters return probabilities and others do not, point-mass rows get one-hot
+    probabilities, which is the same acceptance rule.
+    """
+    if len(drafts) == 1:
+        return drafts[0]
+    max_tokens = max(d.max_tokens for d in drafts)
+    num_rows = len(owner)
+    device = drafts[0].token_ids.device
+    owner_t = torch.from_numpy(owner).to(device)
+    token_ids = torch.full((num_rows, max_tokens), PAD_ID, dtype=torch.int64, device=device)  # [B, K]
+    num_tokens = np.zeros(num_rows, dtype=np.int64)
+    with_probs = any(d.probs is not None for d in drafts)
+    probs = torch.zeros(num_rows, max_tokens, vocab_size, device=device) if with_probs else None  # [B, K, V]
+    for index, draft in enumerate(drafts):
+        mine = owner_t == index  # [B]
+        width = draft.max_tokens
+        token_ids[:, :width] = torch.where(mine[:, None], draft.token_ids, token_ids[:, :width])
+        num_tokens = np.where(owner == index, draft.num_tokens, num_tokens)
+        if probs is not None:
+            draft_probs = draft.probs
+            if draft_probs is None:
+                one_hot_ids = draft.token_ids.clamp(min=0)
+                draft_probs = torch.nn.functional.one_hot(one_hot_ids, vocab_size).float()
+            probs[:, :width] = torch.where(mine[:, None, None], draft_probs, probs[:, :width])
+    return Draft(token_ids=token_ids, num_tokens=num_tokens, probs=probs)

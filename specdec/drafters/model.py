@@ -1,0 +1,101 @@
+"""ModelDrafter: a small causal LM with the target's vocabulary proposes tokens autoregressively
+(Leviathan et al. 2023, arXiv 2211.17192).
+
+Invariant: the drafter's own KV cache (through the same ModelRunner as the target) holds, for
+each row, a prefix of the committed tokens: ``cache.lengths[r]`` positions. A proposal first
+catches each asked row up on the committed tokens it has not seen (one packed forward, any
+lengths), then runs k - 1 more single-token steps; after the verdict, ``commit`` keeps exactly
+the prefix that the target accepted. Sampling uses the same processed distribution rules as
+the target (sampling.py) with the drafter's own noise stream, and returns the distributions.
+
+Cost: k forward passes of the small model per step, the first one carrying the catch-up tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import noise
+from ..batch import BatchState
+from ..runner import ModelRunner, PackedLayout, check_supported, device_of, vocab_size_of
+from ..sampling import next_tokens
+from ..types import PAD_ID, Draft, SamplingParams
+from .base import Drafter
+
+
+class ModelDrafter(Drafter):
+    def __init__(self, model, attention: str = "reference"):
+        check_supported(model)
+        self.model = model
+        self.attention = attention
+        self.vocab_size = vocab_size_of(model)
+        self._runner: ModelRunner | None = None
+        self._attached = None
+
+    def device(self) -> torch.device:
+        return device_of(self.model)
+
+    def describe(self) -> str:
+        return f"ModelDrafter({type(self.model).__name__}, {sum(p.numel() for p in self.model.parameters()):,} params)"
+
+    def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
+        self.sampling = sampling
+        self._runner = ModelRunner(
+            self.model,
+            max_rows=batch.num_rows,
+            max_len=batch.max_total_len + max_draft_tokens + 1,
+            attention=self.attention,
+        )
+        self._attached = self._runner.attached()
+        self._attached.__enter__()
+        self._seeds = torch.from_numpy(batch.seeds).to(self.device())
+
+    def finish(self) -> None:
+        if self._attached is not None:
+            self._attached.__exit__(None, None, None)
+        self._runner = self._attached = None
+
+    def propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
+        runner = self._runner
+        device = runner.device
+        max_tokens = int(num_tokens.max(initial=0))
+        token_ids = torch.full((batch.num_rows, max_tokens), PAD_ID, dtype=torch.int64, device=device)  # [B, K]
+        probs = None
+        if not self.sampling.greedy and max_tokens > 0:
+            probs = torch.zeros(batch.num_rows, max_tokens, runner.vocab_size, device=device)  # [B, K, V]
+        rows = np.flatnonzero(num_tokens > 0)
+        if len(rows) == 0:
+            return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
+
+        cached = runner.cache.lengths
+        # Catch-up: feed each asked row the committed tokens its cache lacks (at least the last one).
+        starts, ends = cached[rows], batch.lengths[rows]
+        catch_up = np.concatenate([batch.token_ids[r, s:e] for r, s, e in zip(rows, starts, ends)])
+        layout = PackedLayout(rows=rows, starts=starts, counts=ends - starts)
+        logits = runner.forward(
+            torch.from_numpy(catch_up).to(device), layout, logits_indices=layout.last_token_indices()
+        )  # [R, V]
+        cached[rows] = ends
+
+        for depth in range(max_tokens):
+            rows_t = torch.from_numpy(rows).to(device)
+            positions = torch.from_numpy(batch.lengths[rows] + depth).to(device)  # [R]
+            chosen, chosen_probs = next_tokens(logits, self.sampling, self._seeds[rows_t], positions, noise.DRAFT)
+            token_ids[rows_t, depth] = chosen
+            if probs is not None:
+                probs[rows_t, depth] = chosen_probs
+            # Rows that want another token feed the one just drafted.
+            keep = num_tokens[rows] > depth + 1  # [R]
+            if not keep.any():
+                break
+            rows = rows[keep]
+            layout = PackedLayout(rows=rows, starts=cached[rows], counts=np.ones(len(rows), dtype=np.int64))
+            logits = runner.forward(chosen[torch.from_numpy(keep).to(device)], layout)  # [R', V]
+            cached[rows] += 1
+        return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
+
+    def commit(self, lengths_before: np.ndarray, num_accepted: np.ndarray) -> None:
+        # Cached drafts beyond the accepted ones were computed from rejected tokens.
+        cache = self._runner.cache
+        cache.lengths[:] = np.minimum(cache.lengths, lengths_before + num_accepted)

@@ -1,0 +1,147 @@
+"""generate(): the speculative decoding loop (DESIGN §2).
+
+Each step: the policy plans (drafter and length per row), drafters propose, the verifier
+scores every active row's chain in one target forward and applies the acceptance rule, the
+batch commits the emitted tokens (the step's one host synchronisation), drafters roll back to
+what was accepted, and the policy observes. Output is the target's own: token-identical under
+greedy decoding, identically distributed under sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import inputs
+from .batch import BatchState
+from .drafters.base import Drafter, empty_draft, merge_drafts
+from .policies.base import Policy
+from .policies.fixed import FixedPolicy
+from .runner import ModelRunner, PackedLayout
+from .stats import GenerationStats, StatsRecorder, StepRecord
+from .timing import PhaseTimer
+from .types import Draft, Plan, SamplingParams
+from .verifiers.base import Verifier
+from .verifiers.padding_free import PaddingFreeVerifier
+
+
+@dataclass
+class GenerateOutput:
+    sequences: list[list[int]]  # per prompt: generated token ids, prompt excluded, EOS included
+    stats: GenerationStats
+
+
+def generate(
+    target,
+    prompts,
+    drafter: Drafter | list[Drafter] | None = None,
+    verifier: Verifier | None = None,
+    policy: Policy | None = None,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams | None = None,
+    eos_token_id: int | list[int] | None = None,
+    seed: int | list[int] = 0,
+    attention: str = "reference",
+) -> GenerateOutput:
+    """Generate from ``target`` for every prompt, speculatively.
+
+    prompts: token-id lists or 1-D tensors, any lengths. drafter: one Drafter or a list (the
+    policy picks per row); none means plain decoding. eos_token_id: None never stops early; an
+    id or a list of ids stops a row after it emits one. seed: an int (request i uses seed + i)
+    or one per prompt; a request's output depends only on its own seed, not on its batch.
+    """
+    started = time.perf_counter()
+    vocab_size, device = inputs.check_target(target)
+    token_prompts = inputs.normalise_prompts(prompts, vocab_size)
+    max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
+    inputs.check_lengths_fit(target, token_prompts, max_new_tokens)
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    drafters = inputs.normalise_drafters(drafter)
+    inputs.check_drafters(drafters, vocab_size, device)
+    verifier = PaddingFreeVerifier() if verifier is None else verifier
+    policy = (FixedPolicy(4) if drafters else FixedPolicy(0)) if policy is None else policy
+    if policy.max_draft_tokens > 0 and not drafters:
+        raise ValueError(f"{policy!r} drafts tokens but no drafter was given: pass drafter=... or FixedPolicy(0)")
+
+    batch = BatchState(
+        token_prompts,
+        max_new_tokens,
+        inputs.normalise_seeds(seed, len(token_prompts)),
+        inputs.normalise_eos(eos_token_id, vocab_size),
+    )
+    max_draft = policy.max_draft_tokens
+    runner = ModelRunner(target, max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1, attention=attention)
+    recorder = StatsRecorder(batch.num_rows, max_draft)
+    timer = PhaseTimer(device)
+    started_drafters: list[Drafter] = []
+    try:
+        with runner.attached():
+            for d in drafters:
+                d.start(batch, sampling, device, max_draft)
+                started_drafters.append(d)
+            _prefill(runner, batch, device)
+            prefill_time = time.perf_counter() - started
+            step = 0
+            while not batch.finished.all():
+                plan = _bounded(policy.plan(batch, len(drafters)), batch)
+                with timer.phase("draft"):
+                    draft = _propose(drafters, batch, plan, device, vocab_size)
+                with timer.phase("verify"):
+                    verdict, cost = verifier.verify(runner, batch, draft, sampling)
+                rows = batch.active_rows()
+                host = verdict.to_host()  # the step's one synchronisation
+                lengths_before = batch.lengths.copy()
+                appended = batch.commit(host)
+                runner.cache.lengths[rows] = batch.lengths[rows] - 1
+                for d in drafters:
+                    d.commit(lengths_before, host.num_accepted)
+                times = timer.collect()
+                record = StepRecord(
+                    step=step,
+                    rows=rows,
+                    drafter_index=plan.drafter_index,
+                    num_drafted=draft.num_tokens,
+                    num_accepted=np.minimum(host.num_accepted, appended),
+                    num_emitted=appended,
+                    draft_time_s=times.get("draft", 0.0),
+                    verify_time_s=times.get("verify", 0.0),
+                    cost=cost,
+                )
+                recorder.record(record, time.perf_counter() - started, batch.finished)
+                policy.observe(record)
+                step += 1
+    finally:
+        for d in started_drafters:
+            d.finish()
+    stats = recorder.finish(wall_time_s=time.perf_counter() - started, prefill_time_s=prefill_time)
+    return GenerateOutput(sequences=batch.outputs(), stats=stats)
+
+
+def _prefill(runner: ModelRunner, batch: BatchState, device: torch.device) -> None:
+    """Fill the target's cache with every prompt but its last token (the first step feeds it)."""
+    rows = np.flatnonzero((batch.prompt_lengths > 1) & ~batch.finished)
+    if len(rows):
+        counts = batch.prompt_lengths[rows] - 1
+        token_ids = np.concatenate([batch.token_ids[r, :c] for r, c in zip(rows, counts)])
+        layout = PackedLayout(rows=rows, starts=np.zeros(len(rows), dtype=np.int64), counts=counts)
+        runner.forward(torch.from_numpy(token_ids).to(device), layout, logits_indices=np.zeros(1, dtype=np.int64))
+    runner.cache.lengths[:] = batch.prompt_lengths - 1
+
+
+def _bounded(plan: Plan, batch: BatchState) -> Plan:
+    """No drafting for finished rows, nor beyond what a row may still emit (the step's own
+    recovered or bonus token takes one of those)."""
+    limit = np.maximum(batch.remaining - 1, 0)
+    return Plan(drafter_index=plan.drafter_index, num_draft_tokens=np.minimum(plan.num_draft_tokens, limit))
+
+
+def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: torch.device, vocab_size: int) -> Draft:
+    if plan.max_draft_tokens == 0:
+        return empty_draft(batch.num_rows, device)
+    drafts = [d.propose(batch, np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)) for i, d in enumerate(drafters)]
+    return merge_drafts(drafts, plan.drafter_index, vocab_size)

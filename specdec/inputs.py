@@ -1,0 +1,138 @@
+"""Checks of what a caller hands to generate(): every misuse gets an exception that says what
+was wrong and what to do, before any model runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .drafters.base import Drafter
+from .runner import check_supported, device_of, vocab_size_of
+
+MAX_SEED = 2**63 - 1
+
+
+def normalise_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+    """A list of token-id lists or 1-D tensors -> list of int64 arrays, each checked."""
+    if isinstance(prompts, torch.Tensor):
+        raise TypeError(
+            "prompts must be a list of token-id lists or 1-D tensors (one per request, any lengths); "
+            f"got one tensor of shape {tuple(prompts.shape)}: pass list(tensor) for a 2-D batch without padding"
+        )
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
+        raise TypeError(f"prompts must be a list of token-id lists or 1-D tensors, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
+    arrays = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+                raise TypeError(
+                    f"prompt {index} must be a 1-D integer tensor of token ids, got shape "
+                    f"{tuple(prompt.shape)} and dtype {prompt.dtype}"
+                )
+            array = prompt.detach().cpu().numpy().astype(np.int64)
+        elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(
+                f"prompt {index} must be a list of token ids or a 1-D tensor, got {type(prompt).__name__}"
+                + (": tokenize text first" if isinstance(prompt, str) else "")
+            )
+        else:
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+                raise TypeError(f"prompt {index} must hold integer token ids only")
+            array = np.asarray(prompt, dtype=np.int64)
+        if array.size == 0:
+            raise ValueError(
+                f"prompt {index} is empty; every prompt needs at least one token (for example a BOS token)"
+            )
+        bad = np.flatnonzero((array < 0) | (array >= vocab_size))
+        if bad.size:
+            raise ValueError(
+                f"prompt {index} holds token id {int(array[bad[0]])} at index {int(bad[0])}, outside the "
+                f"target's vocabulary [0, {vocab_size})"
+            )
+        arrays.append(array)
+    return arrays
+
+
+def check_max_new_tokens(max_new_tokens) -> int:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise TypeError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    return int(max_new_tokens)
+
+
+def check_lengths_fit(target, prompts: list[np.ndarray], max_new_tokens: int) -> None:
+    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if limit is None:
+        return
+    for index, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it would reach "
+                f"{len(prompt) + max_new_tokens} positions, beyond the model's maximum of {limit} "
+                "(max_position_embeddings): shorten the prompt or lower max_new_tokens"
+            )
+
+
+def normalise_seeds(seed, num_rows: int) -> np.ndarray:
+    """An int (request i gets seed + i) or one int per request -> [B] int64."""
+
+    def valid(value) -> bool:
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value
+
+    if valid(seed):
+        if seed + num_rows - 1 > MAX_SEED:
+            raise ValueError(f"seed must be at most {MAX_SEED - num_rows + 1} for {num_rows} prompts")
+        return seed + np.arange(num_rows, dtype=np.int64)
+    if isinstance(seed, Sequence) and not isinstance(seed, (str, bytes)):
+        if len(seed) != num_rows or not all(valid(s) and s <= MAX_SEED for s in seed):
+            raise ValueError(f"seed as a list needs one integer in [0, 2**63) per prompt ({num_rows})")
+        return np.asarray(seed, dtype=np.int64)
+    raise TypeError(f"seed must be an integer >= 0 or a list of them (one per prompt), got {seed!r}")
+
+
+def normalise_eos(eos_token_id, vocab_size: int) -> np.ndarray:
+    if eos_token_id is None:
+        return np.zeros(0, dtype=np.int64)
+    ids = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else list(eos_token_id)
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
+            raise ValueError(
+                f"eos_token_id must be a token id (or a list of them) in [0, {vocab_size}), got {eos_token_id!r}"
+            )
+    return np.asarray(ids, dtype=np.int64)
+
+
+def normalise_drafters(drafter) -> list[Drafter]:
+    if drafter is None:
+        return []
+    drafters = list(drafter) if isinstance(drafter, (list, tuple)) else [drafter]
+    for index, candidate in enumerate(drafters):
+        if not isinstance(candidate, Drafter):
+            hint = ": wrap a model as ModelDrafter(model)" if hasattr(candidate, "config") else ""
+            raise TypeError(f"drafter {index} is a {type(candidate).__name__}, not a specdec Drafter{hint}")
+    return drafters
+
+
+def check_drafters(drafters: list[Drafter], target_vocab_size: int, target_device: torch.device) -> None:
+    for index, drafter in enumerate(drafters):
+        if drafter.vocab_size is not None and drafter.vocab_size != target_vocab_size:
+            raise ValueError(
+                f"drafter {index} ({drafter.describe()}) has a vocabulary of {drafter.vocab_size} tokens but the "
+                f"target has {target_vocab_size}; a drafter must share the target's vocabulary"
+            )
+        drafter_device = drafter.device()
+        if drafter_device is not None and drafter_device != target_device:
+            raise ValueError(
+                f"drafter {index} ({drafter.describe()}) is on {drafter_device} but the target is on "
+                f"{target_device}; move it with model.to('{target_device}')"
+            )
+
+
+def check_target(target) -> tuple[int, torch.device]:
+    check_supported(target)
+    return vocab_size_of(target), device_of(target)

@@ -1,0 +1,28 @@
+"""The Policy protocol: before each step decide, per row, which drafter proposes and how many
+tokens it drafts (0 = plain decoding for that row); after the step, learn from what happened.
+
+Invariant: a policy sees only host-side statistics (``StepRecord``) and the batch; it never
+touches drafters, verifiers or tensors on the device.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ..batch import BatchState
+from ..stats import StepRecord
+from ..types import Plan
+
+
+class Policy(ABC):
+    @property
+    @abstractmethod
+    def max_draft_tokens(self) -> int:
+        """The most tokens any row may draft in one step (sizes caches and buffers)."""
+
+    @abstractmethod
+    def plan(self, batch: BatchState, num_drafters: int) -> Plan:
+        """Per-row drafter index and draft length for the next step."""
+
+    def observe(self, record: StepRecord) -> None:
+        """What the last step did (counts per row, times); the default ignores it."""

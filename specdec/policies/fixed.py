@@ -1,0 +1,36 @@
+"""FixedPolicy: every row drafts the same number of tokens with the same drafter, every step
+(the classic speculative decoding setting; num_draft_tokens=0 is plain decoding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..types import Plan
+from .base import Policy
+
+
+class FixedPolicy(Policy):
+    def __init__(self, num_draft_tokens: int = 4, drafter_index: int = 0):
+        for name, value in (("num_draft_tokens", num_draft_tokens), ("drafter_index", drafter_index)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"FixedPolicy's {name} must be an integer >= 0, got {value!r}")
+        self.num_draft_tokens = int(num_draft_tokens)
+        self.drafter_index = int(drafter_index)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_draft_tokens
+
+    def plan(self, batch, num_drafters):
+        if self.num_draft_tokens > 0 and self.drafter_index >= num_drafters:
+            raise ValueError(
+                f"FixedPolicy uses drafter {self.drafter_index} but generate() was given {num_drafters} drafter(s)"
+            )
+        return Plan(
+            drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
+            num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens, dtype=np.int64),
+        )
+
+    def __repr__(self) -> str:
+        return f"FixedPolicy(num_draft_tokens={self.num_draft_tokens}, drafter_index={self.drafter_index})"

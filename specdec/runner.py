@@ -1,0 +1,165 @@
+"""ModelRunner: any transformers causal LM over packed ragged tokens, with our cache (DESIGN §4).
+
+Invariant: one forward pass takes the new tokens of any set of rows, each row's tokens a
+contiguous run of positions, packed into ``input_ids [1, N]`` with no padding; token n is
+placed at (row, position) in our KV cache and attends to its row's cached tokens up to its
+position. The logits equal those of the model's own full forward over each row's sequence
+(to about 1e-15 in float64).
+
+The model's code is not changed: the runner switches its attention implementation to
+specdec's (``attention.py``) while it works (``attached()``) and restores it afterwards, so the
+caller's model still works with Hugging Face's ``generate()`` after ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from .attention import ATTENTION_NAME, BACKENDS, METADATA_KWARG, AttentionMetadata
+from .cache import KVCache
+
+
+class UnsupportedModelError(TypeError):
+    """The model cannot run through specdec's runner; the message says why."""
+
+
+@dataclass
+class PackedLayout:
+    """Host-side description of one packed forward: group g is ``counts[g]`` tokens of cache
+    row ``rows[g]`` at positions ``starts[g] ... starts[g] + counts[g] - 1``."""
+
+    rows: np.ndarray  # [G] int64
+    starts: np.ndarray  # [G] int64
+    counts: np.ndarray  # [G] int64, each >= 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.counts.sum())
+
+    def offsets(self) -> np.ndarray:
+        """[G+1] cumulative token offsets of the groups (cu_counts)."""
+        return np.concatenate([[0], np.cumsum(self.counts)])
+
+    def last_token_indices(self) -> np.ndarray:
+        """[G] packed index of each group's last token."""
+        return np.cumsum(self.counts) - 1
+
+
+def vocab_size_of(model: torch.nn.Module) -> int:
+    """Number of logits the model produces per token."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def check_supported(model: object) -> None:
+    """Raise UnsupportedModelError naming why ``model`` cannot run through the runner."""
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModelError(
+            f"expected a transformers causal LM (PreTrainedModel), got {type(model).__name__}"
+        )
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; specdec needs a decoder-only causal LM")
+    if model.get_output_embeddings() is None:
+        raise UnsupportedModelError(f"{name} has no language-model head; load it with AutoModelForCausalLM")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{name} does not route its attention through transformers' AttentionInterface "
+            "(its class sets _supports_attention_backend=False), so specdec cannot give it a packed KV cache"
+        )
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, *, max_rows: int, max_len: int, attention: str = "reference"):
+        check_supported(model)
+        if attention not in BACKENDS:
+            raise ValueError(f"unknown attention backend {attention!r}; choose one of {sorted(BACKENDS)}")
+        self.model = model
+        self.device = device_of(model)
+        self.vocab_size = vocab_size_of(model)
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.cache = KVCache(self.num_layers, max_rows, max_len)
+        self.backend = BACKENDS[attention]
+        self._checked_layers = False
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator["ModelRunner"]:
+        """Route the model's attention to specdec (and eval mode) for the duration."""
+        previous_attention = self.model.config._attn_implementation
+        was_training = self.model.training
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        self.model.eval()
+        try:
+            yield self
+        finally:
+            self.model.set_attn_implementation(previous_attention)
+            self.model.train(was_training)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, layout: PackedLayout, logits_indices: np.ndarray | None = None
+    ) -> torch.Tensor:
+        """Run the packed tokens and return their logits.
+
+        input_ids: [N] on the model's device, grouped as ``layout`` says; logits_indices: packed
+        indices whose logits are wanted (all when None) -> logits [len(logits_indices) or N, V].
+        The cache's lengths are left to the caller (it knows which tokens it commits to).
+        """
+        if layout.num_tokens == 0:
+            raise ValueError("a forward pass needs at least one token")
+        last_position = int((layout.starts + layout.counts).max())
+        if last_position > self.cache.max_len:
+            raise ValueError(
+                f"position {last_position - 1} does not fit the cache of {self.cache.max_len} positions"
+            )
+        meta = self._metadata(layout, last_position)
+        keep = 0 if logits_indices is None else torch.from_numpy(logits_indices).to(self.device)
+        output = self.model(
+            input_ids=input_ids[None],
+            position_ids=meta.token_positions[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            **{METADATA_KWARG: meta},
+        )
+        if not self._checked_layers:
+            self._check_every_layer_ran()
+        return output.logits[0]
+
+    def _metadata(self, layout: PackedLayout, max_kv_len: int) -> AttentionMetadata:
+        counts = layout.counts
+        group_of_token = np.repeat(np.arange(len(counts)), counts)  # [N]
+        slot_of_token = np.arange(layout.num_tokens) - np.repeat(layout.offsets()[:-1], counts)  # [N]
+        max_queries = int(counts.max())
+        query_positions = layout.starts[:, None] + np.arange(max_queries)  # [G, Q]
+        query_positions = np.where(np.arange(max_queries) < counts[:, None], query_positions, 0)
+        to_device = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(self.device)  # noqa: E731
+        return AttentionMetadata(
+            cache=self.cache,
+            token_rows=to_device(layout.rows[group_of_token]),
+            token_positions=to_device(layout.starts[group_of_token] + slot_of_token),
+            token_group=to_device(group_of_token),
+            token_slot=to_device(slot_of_token),
+            group_rows=to_device(layout.rows),
+            group_query_positions=to_device(query_positions),
+            max_kv_len=max_kv_len,
+            backend=self.backend,
+        )
+
+    def _check_every_layer_ran(self) -> None:
+        written = self.cache.layers_written()
+        if written != self.num_layers:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} ran specdec's attention in {written} of its "
+                f"{self.num_layers} layers; models with layers that keep other state (recurrent or "
+                "state-space layers) cannot run with specdec's cache"
+            )
+        self._checked_layers = True

@@ -1,0 +1,210 @@
+"""Every metric specdec reports, defined once.
+
+Per request, counted over the decoding steps the request took part in:
+- ``steps``: verification steps (one target forward each); a plain-decoding step counts too.
+- ``drafted``: draft tokens proposed for the request.
+- ``accepted``: draft tokens the acceptance rule kept that reached the output.
+- ``emitted``: tokens appended to the output (accepted + one recovered or bonus token per step,
+  fewer only in the step that hits EOS or ``max_new_tokens``). Equals the output length.
+- ``tau`` (mean accepted length): emitted / steps; plain decoding has tau = 1.
+- ``acceptance_rate``: accepted / drafted.
+- ``acceptance_by_position[i]`` (i = 0 for the first draft token): among steps that drafted at
+  least i + 1 tokens, the fraction that accepted at least i + 1 of them.
+- ``wall_time_s``: from the start of generate() to the end of the step that finished the
+  request; ``tokens_per_s`` = emitted / wall_time_s.
+Overall: sums of the per-request counts; ``tau`` = emitted / request-steps; ``steps`` counts
+loop iterations; ``tokens_per_s`` = emitted / total wall time; ``padding_fraction`` = pad slots
+/ all token slots the target computed while verifying; ``draft_time_s`` and
+``verify_time_s`` are summed device times of the two phases (CUDA events on GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .types import VerifyCost
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return float(numerator) / float(denominator) if denominator else float("nan")
+
+
+@dataclass
+class StepRecord:
+    """What one decoding step did, per row (host arrays of size B)."""
+
+    step: int
+    rows: np.ndarray  # [A] rows that took part
+    drafter_index: np.ndarray  # [B]
+    num_drafted: np.ndarray  # [B]
+    num_accepted: np.ndarray  # [B] accepted tokens that reached the output
+    num_emitted: np.ndarray  # [B] tokens appended to the output
+    draft_time_s: float
+    verify_time_s: float
+    cost: VerifyCost
+
+
+@dataclass
+class RequestStats:
+    steps: int
+    drafted: int
+    accepted: int
+    emitted: int
+    drafted_by_position: list[int]
+    accepted_by_position: list[int]
+    wall_time_s: float
+
+    @property
+    def tau(self) -> float:
+        return _ratio(self.emitted, self.steps)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return _ratio(self.accepted, self.drafted)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [_ratio(a, d) for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return _ratio(self.emitted, self.wall_time_s)
+
+    def as_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+@dataclass
+class GenerationStats:
+    requests: list[RequestStats]
+    steps: int
+    wall_time_s: float
+    prefill_time_s: float
+    draft_time_s: float
+    verify_time_s: float
+    target_tokens: int
+    padding_tokens: int
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.requests)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.requests)
+
+    @property
+    def emitted(self) -> int:
+        return sum(r.emitted for r in self.requests)
+
+    @property
+    def tau(self) -> float:
+        return _ratio(self.emitted, sum(r.steps for r in self.requests))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return _ratio(self.accepted, self.drafted)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [_ratio(a, d) for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return _ratio(self.emitted, self.wall_time_s)
+
+    @property
+    def padding_fraction(self) -> float:
+        return _ratio(self.padding_tokens, self.target_tokens)
+
+    def as_dict(self) -> dict:
+        summary = {k: v for k, v in asdict(self).items() if k != "requests"}
+        summary.update(
+            drafted=self.drafted,
+            accepted=self.accepted,
+            emitted=self.emitted,
+            tau=self.tau,
+            acceptance_rate=self.acceptance_rate,
+            acceptance_by_position=self.acceptance_by_position,
+            tokens_per_s=self.tokens_per_s,
+            padding_fraction=self.padding_fraction,
+        )
+        return {"overall": summary, "requests": [r.as_dict() for r in self.requests]}
+
+    def summary(self) -> str:
+        by_position = ", ".join(f"{rate:.2f}" for rate in self.acceptance_by_position) or "-"
+        return (
+            f"{len(self.requests)} requests, {self.emitted} tokens in {self.steps} steps, "
+            f"{self.wall_time_s:.3f} s ({self.tokens_per_s:.1f} tok/s); tau {self.tau:.2f}; "
+            f"accepted {self.accepted}/{self.drafted} drafted (by position: {by_position}); "
+            f"padding {self.padding_fraction:.1%} of {self.target_tokens} verified token slots"
+        )
+
+
+class StatsRecorder:
+    """Accumulates StepRecords into per-request and overall statistics."""
+
+    def __init__(self, num_rows: int, max_draft_tokens: int):
+        self.steps = np.zeros(num_rows, dtype=np.int64)
+        self.drafted = np.zeros(num_rows, dtype=np.int64)
+        self.accepted = np.zeros(num_rows, dtype=np.int64)
+        self.emitted = np.zeros(num_rows, dtype=np.int64)
+        self.drafted_at = np.zeros((num_rows, max_draft_tokens), dtype=np.int64)  # [B, K]
+        self.accepted_at = np.zeros((num_rows, max_draft_tokens), dtype=np.int64)  # [B, K]
+        self.finish_time_s = np.zeros(num_rows)
+        self.num_steps = 0
+        self.draft_time_s = self.verify_time_s = 0.0
+        self.target_tokens = self.padding_tokens = 0
+
+    def record(self, record: StepRecord, elapsed_s: float, finished: np.ndarray) -> None:
+        self.num_steps += 1
+        self.steps[record.rows] += 1
+        self.drafted += record.num_drafted
+        self.accepted += record.num_accepted
+        self.emitted += record.num_emitted
+        position = np.arange(self.drafted_at.shape[1])
+        self.drafted_at += position < record.num_drafted[:, None]
+        self.accepted_at += position < record.num_accepted[:, None]
+        newly_finished = np.zeros_like(finished)
+        newly_finished[record.rows] = finished[record.rows]
+        self.finish_time_s = np.where(newly_finished, elapsed_s, self.finish_time_s)
+        self.draft_time_s += record.draft_time_s
+        self.verify_time_s += record.verify_time_s
+        self.target_tokens += record.cost.target_tokens
+        self.padding_tokens += record.cost.padding_tokens
+
+    def finish(self, wall_time_s: float, prefill_time_s: float) -> GenerationStats:
+        requests = [
+            RequestStats(
+                steps=int(self.steps[r]),
+                drafted=int(self.drafted[r]),
+                accepted=int(self.accepted[r]),
+                emitted=int(self.emitted[r]),
+                drafted_by_position=self.drafted_at[r].tolist(),
+                accepted_by_position=self.accepted_at[r].tolist(),
+                wall_time_s=float(self.finish_time_s[r]),
+            )
+            for r in range(len(self.steps))
+        ]
+        return GenerationStats(
+            requests=requests,
+            steps=self.num_steps,
+            wall_time_s=wall_time_s,
+            prefill_time_s=prefill_time_s,
+            draft_time_s=self.draft_time_s,
+            verify_time_s=self.verify_time_s,
+            target_tokens=self.target_tokens,
+            padding_tokens=self.padding_tokens,
+            drafted_by_position=self.drafted_at.sum(axis=0).tolist(),
+            accepted_by_position=self.accepted_at.sum(axis=0).tolist(),
+        )

@@ -1,0 +1,37 @@
+"""Phase timers: CUDA events on a GPU (read after the step's one synchronisation, so timing
+adds none), the host clock on CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+class PhaseTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._pending: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._pending.append((name, start, end))
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per phase since the last collect; on CUDA call after a synchronisation."""
+        totals: dict[str, float] = {}
+        for name, start, end in self._pending:
+            seconds = start.elapsed_time(end) / 1000.0 if self.cuda else end - start
+            totals[name] = totals.get(name, 0.0) + seconds
+        self._pending.clear()
+        return totals

@@ -1,0 +1,122 @@
+"""The data that flows between drafters, verifiers and policies (DESIGN §3).
+
+Invariant: tensors at a component boundary have static shapes padded with ``PAD_ID`` and
+per-row counts beside them. Device data (token ids, probabilities) are torch tensors; control
+data the host decides on (how many tokens each row drafts, how many it emitted) are numpy
+arrays, so that building the next forward pass never waits on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+PAD_ID = -1  # fills token slots beyond a row's count
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is processed before sampling.
+
+    ``temperature=0`` is greedy decoding (top-k and top-p are then ignored). Otherwise the
+    logits are divided by the temperature, cut to the ``top_k`` most likely tokens, then to the
+    smallest set whose probability reaches ``top_p`` (the order Hugging Face applies them in).
+    Speculative decoding is lossless with respect to this processed distribution.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0, got {self.temperature}: use 0 for greedy decoding "
+                "or a positive value to sample"
+            )
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1
+        ):
+            raise ValueError(f"top_k must be an integer >= 1 or None (no cut), got {self.top_k!r}")
+        if self.top_p is not None and (
+            not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0)
+        ):
+            raise ValueError(f"top_p must lie in (0, 1] or be None (no cut), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Plan:
+    """What each row does this step: which drafter proposes for it, and how many tokens.
+
+    ``num_draft_tokens`` of 0 means plain decoding for that row this step.
+    """
+
+    drafter_index: np.ndarray  # [B] int64
+    num_draft_tokens: np.ndarray  # [B] int64
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return int(self.num_draft_tokens.max(initial=0))
+
+
+@dataclass
+class Draft:
+    """A chain of proposed tokens per row.
+
+    ``probs`` holds, for each drafted token, the processed distribution it was sampled from; it
+    is ``None`` for point-mass proposals (prompt lookup, or any greedy drafter), which the
+    acceptance rule treats as one-hot.
+    """
+
+    token_ids: torch.Tensor  # [B, K] int64, PAD_ID beyond num_tokens
+    num_tokens: np.ndarray  # [B] int64, host-side
+    probs: torch.Tensor | None = None  # [B, K, V] float32
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_ids.shape[1]
+
+
+@dataclass
+class Verdict:
+    """What the target decided this step, per row (sampling.py defines the vocabulary).
+
+    ``token_ids`` holds the accepted draft tokens followed by one recovered or bonus token;
+    rows that took no part in the step have ``num_emitted == 0``.
+    """
+
+    token_ids: torch.Tensor  # [B, K+1] int64, PAD_ID beyond num_emitted
+    num_emitted: torch.Tensor  # [B] int64
+    num_accepted: torch.Tensor  # [B] int64
+
+    def to_host(self) -> "HostVerdict":
+        """Copy to the host: the one synchronisation of a decoding step."""
+        return HostVerdict(
+            token_ids=self.token_ids.cpu().numpy(),
+            num_emitted=self.num_emitted.cpu().numpy(),
+            num_accepted=self.num_accepted.cpu().numpy(),
+        )
+
+
+@dataclass
+class HostVerdict:
+    token_ids: np.ndarray  # [B, K+1]
+    num_emitted: np.ndarray  # [B]
+    num_accepted: np.ndarray  # [B]
+
+
+@dataclass
+class VerifyCost:
+    """What one verification forward cost the target."""
+
+    target_tokens: int  # token slots the target computed, padding included
+    padding_tokens: int  # of which padding

@@ -1,0 +1,69 @@
+"""The Verifier protocol: score every active row's last committed token plus its draft in one
+target forward pass, then apply the chain acceptance rule (sampling.py).
+
+Invariant: how rows are laid out for the forward pass (padded, packed, ...) is the verifier's
+whole business; the verdict is the same whatever the layout. The target's cache holds each
+row's committed tokens but the last; the pass writes the last token and the drafts after it,
+and the caller rolls the cache back to what is committed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+from ..batch import BatchState
+from ..runner import ModelRunner, PackedLayout
+from ..sampling import chain_verdict
+from ..types import PAD_ID, Draft, SamplingParams, Verdict, VerifyCost
+
+
+class Verifier(ABC):
+    def verify(
+        self, runner: ModelRunner, batch: BatchState, draft: Draft, sampling: SamplingParams
+    ) -> tuple[Verdict, VerifyCost]:
+        rows = batch.active_rows()  # [A]
+        device = runner.device
+        num_draft = draft.num_tokens[rows]  # [A]
+        rows_t = torch.from_numpy(rows).to(device)
+        chains = torch.cat(
+            [torch.from_numpy(batch.last_token_ids(rows)).to(device)[:, None], draft.token_ids[rows_t]], dim=1
+        )  # [A, K+1]: last committed token, then the draft
+        target_logits, cost = self.score(runner, batch, rows, chains, num_draft)  # [A, K+1, V]
+        verdict = chain_verdict(
+            draft_token_ids=draft.token_ids[rows_t],
+            num_draft_tokens=torch.from_numpy(num_draft).to(device),
+            target_logits=target_logits,
+            draft_probs=None if draft.probs is None else draft.probs[rows_t],
+            params=sampling,
+            seeds=torch.from_numpy(batch.seeds[rows]).to(device),
+            first_positions=torch.from_numpy(batch.lengths[rows]).to(device),
+        )
+        return _scatter_rows(verdict, rows_t, batch.num_rows), cost
+
+    @abstractmethod
+    def score(
+        self, runner: ModelRunner, batch: BatchState, rows: np.ndarray, chains: torch.Tensor, num_draft: np.ndarray
+    ) -> tuple[torch.Tensor, VerifyCost]:
+        """Target logits for every chain slot. chains: [A, K+1] (PAD_ID beyond 1 + num_draft)
+        -> (logits [A, K+1, V], cost). Slots beyond a row's chain may hold anything."""
+
+
+def _scatter_rows(verdict: Verdict, rows: torch.Tensor, num_rows: int) -> Verdict:
+    """Expand a verdict over the active rows to all B rows (inactive rows emit nothing)."""
+    width = verdict.token_ids.shape[1]
+    device = rows.device
+    token_ids = torch.full((num_rows, width), PAD_ID, dtype=torch.int64, device=device)
+    num_emitted = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    token_ids[rows] = verdict.token_ids
+    num_emitted[rows] = verdict.num_emitted
+    num_accepted[rows] = verdict.num_accepted
+    return Verdict(token_ids=token_ids, num_emitted=num_emitted, num_accepted=num_accepted)
+
+
+def chain_layout(batch: BatchState, rows: np.ndarray, chain_lengths: np.ndarray) -> PackedLayout:
+    """Each row's chain starts at its last committed token's position."""
+    return PackedLayout(rows=rows, starts=batch.lengths[rows] - 1, counts=chain_lengths)
