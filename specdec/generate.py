@@ -9,6 +9,7 @@ greedy decoding, identically distributed under sampling.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -78,46 +79,42 @@ def generate(
     runner = ModelRunner(target, max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1, attention=attention)
     recorder = StatsRecorder(batch.num_rows, max_draft)
     timer = PhaseTimer(device)
-    started_drafters: list[Drafter] = []
-    try:
-        with runner.attached():
+    with contextlib.ExitStack() as stack:  # unwinds in reverse: drafters finish before the target detaches
+        stack.enter_context(runner.attached())
+        for d in drafters:
+            d.start(batch, sampling, device, max_draft)
+            stack.callback(d.finish)
+        _prefill(runner, batch, device)
+        prefill_time = time.perf_counter() - started
+        step = 0
+        while not batch.finished.all():
+            plan = _bounded(policy.plan(batch, len(drafters)), batch)
+            with timer.phase("draft"):
+                draft = _propose(drafters, batch, plan, device, vocab_size)
+            with timer.phase("verify"):
+                verdict, cost = verifier.verify(runner, batch, draft, sampling)
+            rows = batch.active_rows()
+            host = verdict.to_host()  # the step's one synchronisation
+            lengths_before = batch.lengths.copy()
+            appended = batch.commit(host)
+            runner.cache.lengths[rows] = batch.lengths[rows] - 1
             for d in drafters:
-                d.start(batch, sampling, device, max_draft)
-                started_drafters.append(d)
-            _prefill(runner, batch, device)
-            prefill_time = time.perf_counter() - started
-            step = 0
-            while not batch.finished.all():
-                plan = _bounded(policy.plan(batch, len(drafters)), batch)
-                with timer.phase("draft"):
-                    draft = _propose(drafters, batch, plan, device, vocab_size)
-                with timer.phase("verify"):
-                    verdict, cost = verifier.verify(runner, batch, draft, sampling)
-                rows = batch.active_rows()
-                host = verdict.to_host()  # the step's one synchronisation
-                lengths_before = batch.lengths.copy()
-                appended = batch.commit(host)
-                runner.cache.lengths[rows] = batch.lengths[rows] - 1
-                for d in drafters:
-                    d.commit(lengths_before, host.num_accepted)
-                times = timer.collect()
-                record = StepRecord(
-                    step=step,
-                    rows=rows,
-                    drafter_index=plan.drafter_index,
-                    num_drafted=draft.num_tokens,
-                    num_accepted=np.minimum(host.num_accepted, appended),
-                    num_emitted=appended,
-                    draft_time_s=times.get("draft", 0.0),
-                    verify_time_s=times.get("verify", 0.0),
-                    cost=cost,
-                )
-                recorder.record(record, time.perf_counter() - started, batch.finished)
-                policy.observe(record)
-                step += 1
-    finally:
-        for d in started_drafters:
-            d.finish()
+                d.commit(lengths_before, host.num_accepted)
+            times = timer.collect()
+            record = StepRecord(
+                step=step,
+                rows=rows,
+                drafter_index=plan.drafter_index,
+                num_drafted=draft.num_tokens,
+                num_accepted=np.minimum(host.num_accepted, appended),
+                num_emitted=appended,
+                draft_time_s=times.get("draft", 0.0),
+                verify_time_s=times.get("verify", 0.0),
+                cost=cost,
+            )
+            recorder.record(record, time.perf_counter() - started, batch.finished)
+            policy.observe(record)
+            step += 1
     stats = recorder.finish(wall_time_s=time.perf_counter() - started, prefill_time_s=prefill_time)
     return GenerateOutput(sequences=batch.outputs(), stats=stats)
 

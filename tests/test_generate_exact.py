@@ -1,0 +1,130 @@
+"""Exactness grid: greedy speculative output is token-identical to the target's own greedy
+decoding (Hugging Face generate(do_sample=False), each prompt alone), for every drafter x
+verifier x draft length x batch size x architecture, with rows stopping at EOS and at
+max_new_tokens at different steps."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from specdec import generate
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.policies import FixedPolicy
+from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
+from tests.tiny import ARCHS, cached_model, device_params, hf_greedy, make_model, perturbed_copy, random_prompts
+
+MAX_NEW_TOKENS = 24  # not a multiple of k + 1 for k in {1, 3, 6}: the budget ends inside a draft
+
+
+@functools.lru_cache(maxsize=None)
+def drafter_model(arch, device, dtype):
+    return perturbed_copy(cached_model(arch, device, dtype), scale=0.1)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch, device, dtype, prompt: tuple, eos_token_id):
+    return hf_greedy(cached_model(arch, device, dtype), list(prompt), MAX_NEW_TOKENS, eos_token_id)
+
+
+def eos_for(arch, device, dtype, prompts):
+    """A token that the first prompt's greedy output emits mid-way: that row stops early at it."""
+    return reference(arch, device, dtype, tuple(prompts[0]), None)[8]
+
+
+def make_drafter(kind, arch, device, dtype):
+    if kind == "model":
+        return ModelDrafter(drafter_model(arch, device, dtype))
+    return PromptLookupDrafter(min_ngram=1, max_ngram=3)
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("num_draft_tokens", [1, 3, 6])
+@pytest.mark.parametrize("verifier_class", [PaddedVerifier, PaddingFreeVerifier])
+@pytest.mark.parametrize("drafter_kind", ["model", "lookup"])
+def test_greedy_output_equals_target_greedy(drafter_kind, verifier_class, num_draft_tokens, batch_size, arch, device, dtype):
+    target = cached_model(arch, device, dtype)
+    prompts = random_prompts(batch_size, target.config.vocab_size, seed=batch_size)
+    eos = eos_for(arch, device, dtype, prompts)
+    expected = [reference(arch, device, dtype, tuple(p), eos) for p in prompts]
+
+    out = generate(
+        target,
+        prompts,
+        drafter=make_drafter(drafter_kind, arch, device, dtype),
+        verifier=verifier_class(),
+        policy=FixedPolicy(num_draft_tokens=num_draft_tokens),
+        max_new_tokens=MAX_NEW_TOKENS,
+        eos_token_id=eos,
+    )
+
+    assert out.sequences == expected
+    assert [r.emitted for r in out.stats.requests] == [len(s) for s in expected]
+    assert out.stats.drafted > 0
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_decoding_through_the_loop(arch, device, dtype):
+    target = cached_model(arch, device, dtype)
+    prompts = random_prompts(5, target.config.vocab_size, seed=11)
+    out = generate(target, prompts, policy=FixedPolicy(0), max_new_tokens=MAX_NEW_TOKENS)
+    assert out.sequences == [reference(arch, device, dtype, tuple(p), None) for p in prompts]
+    assert out.stats.tau == 1.0 and out.stats.drafted == 0
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+@pytest.mark.parametrize("num_draft_tokens", [3, 6])
+def test_eos_inside_a_fully_accepted_draft(num_draft_tokens, device, dtype):
+    """The target drafting for itself accepts everything, so a step spans k + 1 tokens and an
+    EOS at an output index that is not a multiple of k + 1 falls inside a draft."""
+    target = cached_model("llama", device, dtype)
+    prompts = random_prompts(4, target.config.vocab_size, seed=5)
+    free_running = reference("llama", device, dtype, tuple(prompts[0]), None)
+    eos_index = next(i for i, t in enumerate(free_running) if i % (num_draft_tokens + 1) not in (0, num_draft_tokens) and free_running.index(t) == i)
+    eos = free_running[eos_index]
+    expected = [reference("llama", device, dtype, tuple(p), eos) for p in prompts]
+    assert len(expected[0]) == eos_index + 1
+
+    out = generate(target, prompts, drafter=ModelDrafter(target), policy=FixedPolicy(num_draft_tokens),
+                   max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos)
+
+    assert out.sequences == expected
+    first = out.stats.requests[0]
+    assert first.steps == eos_index // (num_draft_tokens + 1) + 1
+    # earlier steps emit k accepted + 1 bonus; the last one stops at the EOS, itself a draft token
+    assert first.accepted == first.emitted - (first.steps - 1)
+    # the others stop at max_new_tokens (drafts capped to fit) or at the EOS, draft or bonus token
+    assert all(r.emitted - r.steps <= r.accepted <= r.emitted - r.steps + 1 for r in out.stats.requests)
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+def test_drafter_of_another_architecture_and_size(device, dtype):
+    """Any causal LM with the target's vocabulary can draft, whatever its architecture."""
+    target = cached_model("llama", device, dtype)
+    small = make_model("gpt_neox", num_layers=1, hidden=16, seed=3, dtype=dtype, device=device)
+    prompts = random_prompts(6, target.config.vocab_size, seed=21)
+    out = generate(target, prompts, drafter=ModelDrafter(small), policy=FixedPolicy(4), max_new_tokens=MAX_NEW_TOKENS)
+    assert out.sequences == [reference("llama", device, dtype, tuple(p), None) for p in prompts]
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+def test_several_drafters_with_the_policy_choosing(device, dtype):
+    target = cached_model("qwen2", device, dtype)
+    prompts = random_prompts(6, target.config.vocab_size, seed=8)
+    drafters = [PromptLookupDrafter(), ModelDrafter(drafter_model("qwen2", device, dtype))]
+    out = generate(target, prompts, drafter=drafters, policy=FixedPolicy(3, drafter_index=1), max_new_tokens=MAX_NEW_TOKENS)
+    assert out.sequences == [reference("qwen2", device, dtype, tuple(p), None) for p in prompts]
+
+
+def test_sliding_window_model_matches_its_own_decoding():
+    """Qwen2 with sliding-window layers: the reference backend applies the window."""
+    target = make_model("qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1, layer_types=None)
+    assert any(t == "sliding_attention" for t in target.config.layer_types)
+    prompts = random_prompts(3, target.config.vocab_size, seed=2, min_len=8)
+    out = generate(target, prompts, drafter=ModelDrafter(perturbed_copy(target, 0.1)), policy=FixedPolicy(3), max_new_tokens=16)
+    assert out.sequences == [hf_greedy(target, p, 16) for p in prompts]
