@@ -1,0 +1,126 @@
+"""Every misuse gets an exception whose message says what was wrong and what to do."""
+
+import pytest
+import torch
+
+from specdec import SamplingParams, generate
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.policies import FixedPolicy
+from tests.tiny import make_model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model("llama", max_positions=256)
+
+
+def test_no_prompts(target):
+    with pytest.raises(ValueError, match="prompts is empty"):
+        generate(target, [])
+
+
+def test_an_empty_prompt(target):
+    with pytest.raises(ValueError, match="prompt 1 is empty.*at least one token"):
+        generate(target, [[1, 2], []])
+
+
+def test_token_id_outside_the_vocabulary(target):
+    with pytest.raises(ValueError, match=r"prompt 0 holds token id 96 at index 2, outside the target's vocabulary \[0, 96\)"):
+        generate(target, [[1, 2, 96]])
+    with pytest.raises(ValueError, match="token id -3"):
+        generate(target, [torch.tensor([-3, 1])])
+
+
+def test_prompts_of_the_wrong_type(target):
+    with pytest.raises(TypeError, match="tokenize text first"):
+        generate(target, ["hello"])
+    with pytest.raises(TypeError, match=r"list\(tensor\)"):
+        generate(target, torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer tensor"):
+        generate(target, [torch.ones(3)])
+
+
+def test_drafter_with_another_vocabulary_size(target):
+    other = make_model("llama", vocab_size=100)
+    with pytest.raises(ValueError, match="vocabulary of 100 tokens but the target has 96"):
+        generate(target, [[1, 2]], drafter=ModelDrafter(other))
+
+
+def test_drafter_and_target_on_different_devices(target):
+    drafter = ModelDrafter(make_model("llama"))
+    drafter.device = lambda: torch.device("meta")  # stands in for a second GPU on this CPU machine
+    with pytest.raises(ValueError, match="drafter 0 .* is on meta but the target is on cpu; move it"):
+        generate(target, [[1, 2]], drafter=drafter)
+
+
+@pytest.mark.cuda
+def test_drafter_on_cuda_target_on_cpu(target):
+    drafter = ModelDrafter(make_model("llama", device="cuda"))
+    with pytest.raises(ValueError, match="is on cuda:0 but the target is on cpu"):
+        generate(target, [[1, 2]], drafter=drafter)
+
+
+@pytest.mark.parametrize("value", [-1, -100])
+def test_negative_max_new_tokens(target, value):
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        generate(target, [[1, 2]], max_new_tokens=value)
+
+
+def test_max_new_tokens_not_an_integer(target):
+    with pytest.raises(TypeError, match="max_new_tokens must be an integer"):
+        generate(target, [[1, 2]], max_new_tokens=2.5)
+
+
+def test_negative_temperature():
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-0.5)
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.5])
+def test_top_p_outside_zero_one(top_p):
+    with pytest.raises(ValueError, match=r"top_p must lie in \(0, 1\]"):
+        SamplingParams(temperature=1.0, top_p=top_p)
+
+
+@pytest.mark.parametrize("top_k", [0, -2, 1.5])
+def test_top_k_below_one(top_k):
+    with pytest.raises(ValueError, match="top_k must be an integer >= 1"):
+        SamplingParams(temperature=1.0, top_k=top_k)
+
+
+def test_prompt_plus_new_tokens_beyond_max_positions():
+    target = make_model("llama", max_positions=64)
+    with pytest.raises(ValueError, match="prompt 1 has 60 tokens; with max_new_tokens=10 .* 70 positions, beyond the model's maximum of 64"):
+        generate(target, [[1], [2] * 60], max_new_tokens=10)
+    assert len(generate(target, [[2] * 60], max_new_tokens=4).sequences[0]) == 4  # exactly at the limit is fine
+
+
+def test_policy_drafts_without_a_drafter(target):
+    with pytest.raises(ValueError, match="no drafter was given"):
+        generate(target, [[1, 2]], policy=FixedPolicy(3))
+
+
+def test_policy_names_a_missing_drafter(target):
+    with pytest.raises(ValueError, match="uses drafter 2 but generate\\(\\) was given 1"):
+        generate(target, [[1, 2]], drafter=PromptLookupDrafter(), policy=FixedPolicy(3, drafter_index=2))
+
+
+def test_a_model_passed_as_drafter(target):
+    with pytest.raises(TypeError, match="wrap a model as ModelDrafter"):
+        generate(target, [[1, 2]], drafter=make_model("llama"))
+
+
+@pytest.mark.parametrize("seed", [-1, "x", [1, 2]])
+def test_bad_seeds(target, seed):
+    with pytest.raises((TypeError, ValueError), match="seed"):
+        generate(target, [[1, 2]], seed=seed)
+
+
+def test_eos_outside_the_vocabulary(target):
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        generate(target, [[1, 2]], eos_token_id=500)
+
+
+def test_bad_fixed_policy():
+    with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 0"):
+        FixedPolicy(-1)

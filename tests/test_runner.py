@@ -1,0 +1,92 @@
+"""ModelRunner: packed ragged forwards equal each model's own full forward."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import MambaConfig, MambaForCausalLM
+
+from specdec import UnsupportedModelError, generate
+from specdec.runner import ModelRunner, PackedLayout
+from tests.tiny import ARCHS, device_params, hf_greedy, make_model
+
+
+def full_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens], device=model.device)).logits[0]
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_chunks_equal_full_forward(arch, device, dtype):
+    model = make_model(arch, dtype=dtype, device=device)
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (9, 2, 14, 5)]
+    expected = [full_logits(model, s) for s in sequences]
+    runner = ModelRunner(model, max_rows=4, max_len=32)
+    # three passes with different rows and chunk sizes each, in shuffled row order
+    cuts = [[4, 1, 6, 0], [7, 2, 6, 3], [9, 2, 14, 5]]
+    done = np.zeros(4, dtype=np.int64)
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-4
+    with runner.attached():
+        for pass_index, cut in enumerate(cuts):
+            order = np.roll(np.arange(4), pass_index)
+            rows = np.array([r for r in order if cut[r] > done[r]])
+            counts = np.array([cut[r] - done[r] for r in rows])
+            tokens = [t for r in rows for t in sequences[r][done[r] : cut[r]]]
+            logits = runner.forward(torch.tensor(tokens, device=device), PackedLayout(rows, done[rows].copy(), counts))
+            offset = 0
+            for r, c in zip(rows, counts):
+                torch.testing.assert_close(logits[offset : offset + c], expected[r][done[r] : cut[r]], atol=tolerance, rtol=0)
+                offset += c
+            done[rows] += counts
+
+
+def test_rolled_back_positions_are_overwritten():
+    """Tokens written past a row's committed length (rejected drafts) never leak."""
+    model = make_model("llama")
+    runner = ModelRunner(model, max_rows=1, max_len=32)
+    prefix, rejected, accepted = [5, 6, 7], [40, 41, 42], [50, 51]
+    with runner.attached():
+        runner.forward(torch.tensor(prefix + rejected), PackedLayout(np.array([0]), np.array([0]), np.array([6])))
+        runner.cache.lengths[0] = 6
+        runner.cache.rollback(np.array([0]), np.array([3]))
+        logits = runner.forward(torch.tensor(accepted), PackedLayout(np.array([0]), np.array([3]), np.array([2])))
+    torch.testing.assert_close(logits, full_logits(model, prefix + accepted)[3:], atol=1e-10, rtol=0)
+
+
+def test_model_attention_is_restored_for_hugging_face():
+    model = make_model("qwen2")
+    before = hf_greedy(model, [3, 4, 5], 8)
+    generate(model, [[3, 4, 5]], max_new_tokens=8)
+    assert model.config._attn_implementation == "sdpa"
+    assert not model.training
+    assert hf_greedy(model, [3, 4, 5], 8) == before
+
+
+def test_training_mode_is_restored():
+    model = make_model("llama").train()
+    generate(model, [[1, 2]], max_new_tokens=3)
+    assert model.training
+
+
+def test_not_a_transformers_model():
+    with pytest.raises(UnsupportedModelError, match="PreTrainedModel"):
+        generate(torch.nn.Linear(3, 3), [[1, 2]])
+
+
+def test_model_without_attention_interface():
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, state_size=4))
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface|attention"):
+        generate(mamba, [[1, 2]], max_new_tokens=2)
+
+
+def test_model_whose_layer_skips_the_attention_interface():
+    """A layer that keeps its own state (here: attention replaced by a plain function) is caught."""
+    model = make_model("llama")
+
+    def no_interface(hidden_states, **kwargs):
+        return hidden_states, None
+
+    model.model.layers[1].self_attn.forward = no_interface
+    with pytest.raises(UnsupportedModelError, match="1 of its 2 layers"):
+        generate(model, [[1, 2, 3]], max_new_tokens=2)
