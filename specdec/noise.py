@@ -3,8 +3,10 @@
 Invariant: every random number specdec draws is a pure function of the request's seed, the
 absolute position of the token it decides, what it is for (drafting, accepting, sampling the
 target) and, for vocabulary-sized noise, the token id. A request's output therefore does not
-depend on which other requests share its batch, on the batch order, or on the device (CPU and
-CUDA produce the same bits). Nothing here synchronises with the host, so it can run inside a
+depend on which other requests share its batch or on the batch order. The integer keys and
+the uniforms are bit-identical on CPU and CUDA; the exponential noise goes through ``log``,
+whose last bit may differ between the two (so a near-tie could, rarely, sample differently
+across devices). Nothing here synchronises with the host, so it can run inside a
 CUDA graph.
 
 The hash is a 32-bit integer mixer evaluated in int64 arithmetic whose products never exceed
