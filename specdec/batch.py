@@ -39,6 +39,12 @@ class BatchState:
     def active_rows(self) -> np.ndarray:
         return np.flatnonzero(~self.finished)
 
+    def packed_tokens(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Committed tokens [starts[i], ends[i]) of each rows[i], packed row after row -> [N]."""
+        columns = np.arange(self.token_ids.shape[1])
+        wanted = (columns >= starts[:, None]) & (columns < ends[:, None])  # [R, T]
+        return self.token_ids[rows][wanted]
+
     def last_token_ids(self, rows: np.ndarray) -> np.ndarray:
         return self.token_ids[rows, self.lengths[rows] - 1]
 

@@ -124,8 +124,9 @@ def _prefill(runner: ModelRunner, batch: BatchState, device: torch.device) -> No
     rows = np.flatnonzero((batch.prompt_lengths > 1) & ~batch.finished)
     if len(rows):
         counts = batch.prompt_lengths[rows] - 1
-        token_ids = np.concatenate([batch.token_ids[r, :c] for r, c in zip(rows, counts)])
-        layout = PackedLayout(rows=rows, starts=np.zeros(len(rows), dtype=np.int64), counts=counts)
+        starts = np.zeros(len(rows), dtype=np.int64)
+        token_ids = batch.packed_tokens(rows, starts, counts)
+        layout = PackedLayout(rows=rows, starts=starts, counts=counts)
         runner.forward(torch.from_numpy(token_ids).to(device), layout, logits_indices=np.zeros(1, dtype=np.int64))
     runner.cache.lengths[:] = batch.prompt_lengths - 1
 

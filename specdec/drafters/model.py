@@ -71,7 +71,7 @@ class ModelDrafter(Drafter):
         cached = runner.cache.lengths
         # Catch-up: feed each asked row the committed tokens its cache lacks (at least the last one).
         starts, ends = cached[rows], batch.lengths[rows]
-        catch_up = np.concatenate([batch.token_ids[r, s:e] for r, s, e in zip(rows, starts, ends)])
+        catch_up = batch.packed_tokens(rows, starts, ends)
         layout = PackedLayout(rows=rows, starts=starts, counts=ends - starts)
         logits = runner.forward(
             torch.from_numpy(catch_up).to(device), layout, logits_indices=layout.last_token_indices()
