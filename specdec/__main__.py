@@ -1,4 +1,9 @@
-"""Command line: python -m specdec demo [--device cuda] [--json FILE]."""
+"""Command line.
+
+    python -m specdec demo [--preset cpu|gpu] [--device cuda] [--json FILE] [--prompts FILE]
+    python -m specdec zoo build --preset cpu|gpu|tiny [--out DIR] [--force]
+    python -m specdec zoo prompts --preset cpu --out prompts.jsonl [--count N] [--tokens T]
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,56 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m specdec", description="speculative decoding, checked")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="speculative vs plain decoding on tiny models, checked token for token")
-    demo.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+
+    demo = commands.add_parser("demo", help="speculative vs plain decoding on the model zoo, checked token for token")
+    demo.add_argument("--preset", default="cpu", help="zoo preset: cpu (default), gpu or tiny")
+    demo.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     demo.add_argument("--json", dest="json_path", help="also write the table as JSON to this file")
+    demo.add_argument("--prompts", dest="prompts_path", help="JSON lines with 'prompt' (or Spec-Bench 'turns')")
+    demo.add_argument("--num-prompts", type=int, default=8)
+    demo.add_argument("--prompt-tokens", type=int, default=128)
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--num-draft-tokens", type=int, default=4)
-    args = parser.parse_args(argv)
+    demo.add_argument("--zoo-dir", help="build folder (default: $SPECDEC_ZOO_DIR/PRESET or ~/.cache/specdec/zoo/PRESET)")
+
+    zoo = commands.add_parser("zoo", help="build the model zoo or export its prompt sets")
+    zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
+    zoo_build = zoo_commands.add_parser("build", help="train a preset's tokenizer, target and drafters")
+    zoo_build.add_argument("--preset", default="cpu")
+    zoo_build.add_argument("--out", help="build folder (default: $SPECDEC_ZOO_DIR/PRESET or ~/.cache/specdec/zoo/PRESET)")
+    zoo_build.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    zoo_build.add_argument("--force", action="store_true", help="rebuild even if a build with this recipe exists")
+    zoo_prompts = zoo_commands.add_parser("prompts", help="export held-out code prompts as JSON lines")
+    zoo_prompts.add_argument("--preset", default="cpu")
+    zoo_prompts.add_argument("--zoo-dir", help="build folder of the preset")
+    zoo_prompts.add_argument("--out", required=True, help="JSON lines file to write")
+    zoo_prompts.add_argument("--count", type=int, default=32)
+    zoo_prompts.add_argument("--tokens", type=int, default=128, help="prompt length in tokens, cut at a line boundary")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo_main
 
-        return demo_main(args.device, args.json_path, args.max_new_tokens, args.num_draft_tokens)
-    return 2
+        return demo_main(args.preset, args.device, args.json_path, args.prompts_path, args.num_prompts,
+                         args.prompt_tokens, args.max_new_tokens, args.num_draft_tokens, args.zoo_dir)
+    from . import zoo
+
+    if args.zoo_command == "build":
+        zoo.build(args.preset, out=args.out, device=args.device, force=args.force)
+        return 0
+    from .zoo.prompts import heldout_prompts, write_jsonl
+
+    built = zoo.load(args.preset, out=args.zoo_dir)
+    prompts = heldout_prompts(built.heldout_texts(), built.tokenizer, args.count, args.tokens)
+    write_jsonl(prompts, args.out)
+    print(f"wrote {len(prompts)} prompts to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

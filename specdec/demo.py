@@ -1,27 +1,27 @@
-"""The main job: speculative decoding against plain decoding on the same prompts, checked token
-for token, with a table of speed and acceptance.
+"""The main job: on the model zoo's held-out code prompts, plain decoding through the library
+(k = 0), prompt lookup and each model drafter, all with the padding-free verifier, at batch 1
+and batch 8; every speculative output is checked token for token against plain decoding, and
+one table reports speed and acceptance.
 
-For now it runs on tiny random models built on the spot: a target, a "drafter" made by
-perturbing the target's weights (a stand-in for a distilled small model, so that it agrees
-often), and prompt lookup on prompts that repeat themselves. Random weights make the speeds
-meaningless as a claim about real models; the point is the checked equality and the
-statistics.
+Batch 1 runs the prompts one generate() call at a time; its figures aggregate those calls.
 """
 
 from __future__ import annotations
 
-import copy
 import json
+import platform
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from . import generate
 from .drafters import ModelDrafter, PromptLookupDrafter
 from .policies import FixedPolicy
+from .stats import GenerationStats
 from .verifiers import PaddingFreeVerifier
+from .zoo import build, load
+from .zoo.prompts import heldout_prompts, read_prompts
 
 
 @dataclass
@@ -35,81 +35,108 @@ class DemoRow:
     identical: bool
 
 
-def tiny_models(device: str, seed: int = 0):
-    """A random Llama target and a drafter that agrees with it often."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    target = LlamaForCausalLM(config)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)  # sharper, more realistic next-token distributions
-    drafter = copy.deepcopy(target)
-    with torch.no_grad():
-        for parameter in drafter.parameters():
-            parameter.add_(0.05 * parameter.std() * torch.randn_like(parameter))
-    return target.to(device).eval(), drafter.to(device).eval()
+@dataclass
+class Aggregate:
+    """Figures of several generate() calls taken together."""
+
+    sequences: list[list[int]]
+    emitted: int
+    steps: int
+    wall_time_s: float
+    drafted_by_position: np.ndarray
+    accepted_by_position: np.ndarray
+
+    @classmethod
+    def of(cls, outputs) -> "Aggregate":
+        stats: list[GenerationStats] = [o.stats for o in outputs]
+        width = max(len(s.drafted_by_position) for s in stats)
+        pad = lambda values: np.pad(np.asarray(values, dtype=float), (0, width - len(values)))  # noqa: E731
+        return cls(
+            sequences=[seq for o in outputs for seq in o.sequences],
+            emitted=sum(s.emitted for s in stats),
+            steps=sum(r.steps for s in stats for r in s.requests),
+            wall_time_s=sum(s.wall_time_s for s in stats),
+            drafted_by_position=sum(pad(s.drafted_by_position) for s in stats),
+            accepted_by_position=sum(pad(s.accepted_by_position) for s in stats),
+        )
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.emitted / self.wall_time_s
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.steps
+
+    def acceptance(self, positions: int = 4) -> list[float]:
+        rates = [a / d if d else float("nan") for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+        return (rates + [float("nan")] * positions)[:positions]
 
 
-def repeating_prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for _ in range(count):
-        phrase = rng.integers(0, vocab_size, size=int(rng.integers(8, 24))).tolist()
-        prompts.append(phrase + rng.integers(0, vocab_size, size=4).tolist() + phrase[: len(phrase) // 2])
-    return prompts
+def run_method(target, prompts, batch, drafter, num_draft_tokens, max_new_tokens, eos) -> Aggregate:
+    kwargs = dict(drafter=drafter, verifier=PaddingFreeVerifier(), policy=FixedPolicy(num_draft_tokens),
+                  max_new_tokens=max_new_tokens, eos_token_id=eos)
+    return Aggregate.of([generate(target, prompts[i : i + batch], **kwargs) for i in range(0, len(prompts), batch)])
 
 
-def run(target, drafters: dict, prompts: list[list[int]], batch_sizes, num_draft_tokens: int, max_new_tokens: int):
-    """One table row per (method, batch size); every output is checked against plain decoding."""
+def run(target, drafters: dict, prompts, batch_sizes=(1, 8), num_draft_tokens=4, max_new_tokens=64, eos=None, log=print):
     rows = []
+    generate(target, prompts[:1], max_new_tokens=4)  # warm-up
     for batch in batch_sizes:
-        chosen = prompts[:batch]
-        generate(target, chosen[:1], max_new_tokens=4)  # warm-up
-        plain = generate(target, chosen, policy=FixedPolicy(0), max_new_tokens=max_new_tokens)
-        rows.append(_row("plain decoding (k=0)", batch, plain, plain))
+        plain = run_method(target, prompts, batch, None, 0, max_new_tokens, eos)
+        rows.append(DemoRow("plain decoding (k=0)", batch, plain.tokens_per_s, 1.0, plain.tau, plain.acceptance(), True))
+        log(_format_row(rows[-1]))
         for name, drafter in drafters.items():
-            out = generate(target, chosen, drafter=drafter, verifier=PaddingFreeVerifier(),
-                           policy=FixedPolicy(num_draft_tokens), max_new_tokens=max_new_tokens)
-            rows.append(_row(f"{name} (k={num_draft_tokens})", batch, out, plain))
+            out = run_method(target, prompts, batch, drafter, num_draft_tokens, max_new_tokens, eos)
+            rows.append(DemoRow(f"{name} (k={num_draft_tokens})", batch, out.tokens_per_s,
+                                out.tokens_per_s / plain.tokens_per_s, out.tau, out.acceptance(),
+                                out.sequences == plain.sequences))
+            log(_format_row(rows[-1]))
     return rows
 
 
-def _row(method, batch, out, plain) -> DemoRow:
-    by_position = (out.stats.acceptance_by_position + [float("nan")] * 4)[:4]
-    return DemoRow(
-        method=method,
-        batch=batch,
-        tokens_per_s=out.stats.tokens_per_s,
-        speedup=out.stats.tokens_per_s / plain.stats.tokens_per_s,
-        tau=out.stats.tau,
-        acceptance_by_position=by_position,
-        identical=out.sequences == plain.sequences,
-    )
+HEADER = f"{'method':<30} {'batch':>5} {'tok/s':>9} {'speed-up':>8} {'tau':>5}  {'acceptance at 1..4':<23} identical"
+
+
+def _format_row(row: DemoRow) -> str:
+    acceptance = " ".join("  - " if np.isnan(a) else f"{a:.2f}" for a in row.acceptance_by_position)
+    return (f"{row.method:<30} {row.batch:>5} {row.tokens_per_s:>9.1f} {row.speedup:>7.2f}x {row.tau:>5.2f}  "
+            f"{acceptance:<23} {'yes' if row.identical else 'NO'}")
 
 
 def format_table(rows: list[DemoRow]) -> str:
-    header = f"{'method':<32} {'batch':>5} {'tok/s':>9} {'speed-up':>8} {'tau':>5}  {'acceptance at 1..4':<24} identical"
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        acceptance = " ".join("  - " if np.isnan(a) else f"{a:.2f}" for a in row.acceptance_by_position)
-        lines.append(
-            f"{row.method:<32} {row.batch:>5} {row.tokens_per_s:>9.1f} {row.speedup:>7.2f}x {row.tau:>5.2f}  "
-            f"{acceptance:<24} {'yes' if row.identical else 'NO'}"
-        )
-    return "\n".join(lines)
+    return "\n".join([HEADER, "-" * len(HEADER), *map(_format_row, rows)])
 
 
-def main(device: str = "cpu", json_path: str | None = None, max_new_tokens: int = 64, num_draft_tokens: int = 4) -> int:
-    target, drafter_model = tiny_models(device)
-    prompts = repeating_prompts(8, target.config.vocab_size)
-    drafters = {"model drafter": ModelDrafter(drafter_model), "prompt lookup": PromptLookupDrafter()}
-    print(f"target: random Llama, {sum(p.numel() for p in target.parameters()):,} parameters, on {device}")
-    rows = run(target, drafters, prompts, (1, 8), num_draft_tokens, max_new_tokens)
-    print(format_table(rows))
+def main(preset: str = "cpu", device: str = "cpu", json_path: str | None = None, prompts_path: str | None = None,
+         num_prompts: int = 8, prompt_tokens: int = 128, max_new_tokens: int = 64, num_draft_tokens: int = 4,
+         zoo_dir: str | None = None) -> int:
+    build(preset, out=zoo_dir, device=device)
+    zoo = load(preset, out=zoo_dir, device=device)
+    tokenizer = zoo.tokenizer
+    if prompts_path:
+        records = read_prompts(prompts_path)[:num_prompts]
+    else:
+        records = heldout_prompts(zoo.heldout_texts(), tokenizer, num_prompts, prompt_tokens)
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"][-prompt_tokens:] for r in records]
+    drafters = {"prompt lookup": PromptLookupDrafter()}
+    drafters.update({name: ModelDrafter(model) for name, model in zoo.drafters.items()})
+    print(f"zoo '{preset}' at {zoo.path}: target {zoo.manifest['models']['target']['parameters']:,} parameters; "
+          f"{len(prompts)} held-out prompts of up to {prompt_tokens} tokens, {max_new_tokens} new tokens, on {device}")
+    print(HEADER)
+    print("-" * len(HEADER))
+    rows = run(zoo.target, drafters, prompts, (1, 8), num_draft_tokens, max_new_tokens, tokenizer.eos_token_id)
     if json_path:
+        result = {
+            "preset": preset,
+            "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+            "zoo": {k: zoo.manifest[k] for k in ("fingerprint", "models", "build_seconds")},
+            "settings": {"prompts": len(prompts), "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
+                         "num_draft_tokens": num_draft_tokens},
+            "rows": [asdict(r) for r in rows],
+        }
         with open(json_path, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=2)
+            json.dump(result, f, indent=2)
         print(f"wrote {json_path}")
     if not all(r.identical for r in rows):
         print("ERROR: a speculative output differs from plain decoding")

@@ -1,0 +1,109 @@
+"""Recipes of the zoo's presets: what corpus, tokenizer, target and drafters each builds.
+
+A recipe is plain data; its fingerprint (a hash of every field and the recipe version) names a
+build, so a build with the same recipe is reused and any change rebuilds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from .train import Schedule
+
+RECIPE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-architecture model. ``init_from_target`` copies the target's embeddings, final
+    norm, head and first ``layers`` blocks (needs the target's width): a strong start for a drafter."""
+
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    init_from_target: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    vocab_size: int
+    tokenizer_bytes: int  # characters of training text the tokenizer learns from
+    train_tokens: int  # size of the tokenised training stream
+    eval_tokens: int  # size of the held-out stream for the held-out loss
+    site_packages: bool
+    max_positions: int
+    target: Shape
+    target_schedule: Schedule
+    drafters: dict[str, Shape] = field(default_factory=dict)
+    distill_schedule: Schedule | None = None
+
+    def fingerprint(self) -> str:
+        text = json.dumps({"version": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+PRESETS = {
+    # seconds on two CPU cores: for tests and the notebook's smoke run
+    "tiny": Recipe(
+        name="tiny",
+        vocab_size=384,
+        tokenizer_bytes=400_000,
+        train_tokens=120_000,
+        eval_tokens=8_000,
+        site_packages=False,
+        max_positions=512,
+        target=Shape(layers=2, hidden=64, heads=2, intermediate=128),
+        target_schedule=Schedule(steps=40, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=5),
+        drafters={
+            "drafter-1L": Shape(layers=1, hidden=64, heads=2, intermediate=128, init_from_target=True),
+            "drafter-narrow": Shape(layers=1, hidden=32, heads=1, intermediate=64),
+        },
+        distill_schedule=Schedule(steps=30, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=5),
+    ),
+    # the README's main job: under 5 minutes on two CPU cores
+    "cpu": Recipe(
+        name="cpu",
+        vocab_size=2048,
+        tokenizer_bytes=6_000_000,
+        train_tokens=1_500_000,
+        eval_tokens=60_000,
+        site_packages=False,
+        max_positions=1024,
+        target=Shape(layers=4, hidden=128, heads=4, intermediate=512),
+        target_schedule=Schedule(steps=170, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=15),
+        drafters={
+            "drafter-1L": Shape(layers=1, hidden=128, heads=4, intermediate=512, init_from_target=True),
+            "drafter-2L": Shape(layers=2, hidden=128, heads=4, intermediate=512, init_from_target=True),
+            "drafter-narrow": Shape(layers=1, hidden=64, heads=2, intermediate=256),
+        },
+        distill_schedule=Schedule(steps=120, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=10),
+    ),
+    # one H200, under 8 minutes; the corpus includes the installed packages
+    "gpu": Recipe(
+        name="gpu",
+        vocab_size=8192,
+        tokenizer_bytes=30_000_000,
+        train_tokens=40_000_000,
+        eval_tokens=400_000,
+        site_packages=True,
+        max_positions=2048,
+        target=Shape(layers=12, hidden=512, heads=8, intermediate=1536),
+        target_schedule=Schedule(steps=1400, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=100),
+        drafters={
+            "drafter-1L": Shape(layers=1, hidden=512, heads=8, intermediate=1536, init_from_target=True),
+            "drafter-2L": Shape(layers=2, hidden=512, heads=8, intermediate=1536, init_from_target=True),
+            "drafter-4L-narrow": Shape(layers=4, hidden=256, heads=4, intermediate=768),
+        },
+        distill_schedule=Schedule(steps=800, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=50),
+    ),
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in PRESETS:
+        raise ValueError(f"unknown zoo preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,28 @@
+"""The notebooks run top to bottom (at small settings) and are committed without outputs."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stripped(path):
+    notebook = nbformat.read(path, as_version=4)
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
+
+
+def test_quickstart_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_NOTEBOOK_PRESET", "tiny")
+    monkeypatch.setenv("SPECDEC_ZOO_DIR", str(tmp_path / "zoo"))
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
+    assert "prompt lookup:" in outputs and "tau" in outputs
+    assert any("image/png" in o.get("data", {}) for c in notebook.cells for o in c.get("outputs", []))
