@@ -108,6 +108,15 @@ def format_table(rows: list[DemoRow]) -> str:
     return "\n".join([HEADER, "-" * len(HEADER), *map(_format_row, rows)])
 
 
+def plain_matches_hugging_face(target, prompt: list[int], max_new_tokens: int, eos: int) -> bool:
+    """The reference itself checked once: our plain decoding equals transformers' greedy generate()."""
+    input_ids = torch.tensor([prompt], device=target.device)
+    reference = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos)
+    ours = generate(target, [prompt], max_new_tokens=max_new_tokens, eos_token_id=eos).sequences[0]
+    return ours == reference[0, len(prompt):].tolist()
+
+
 def main(preset: str = "cpu", device: str = "cpu", json_path: str | None = None, prompts_path: str | None = None,
          num_prompts: int = 8, prompt_tokens: int = 128, max_new_tokens: int = 64, num_draft_tokens: int = 4,
          zoo_dir: str | None = None) -> int:
@@ -126,6 +135,8 @@ def main(preset: str = "cpu", device: str = "cpu", json_path: str | None = None,
     print(HEADER)
     print("-" * len(HEADER))
     rows = run(zoo.target, drafters, prompts, (1, 8), num_draft_tokens, max_new_tokens, tokenizer.eos_token_id)
+    matches_hf = plain_matches_hugging_face(zoo.target, prompts[0], max_new_tokens, tokenizer.eos_token_id)
+    print(f"plain decoding through specdec equals Hugging Face generate() on prompt 0: {'yes' if matches_hf else 'NO'}")
     if json_path:
         result = {
             "preset": preset,
@@ -134,11 +145,12 @@ def main(preset: str = "cpu", device: str = "cpu", json_path: str | None = None,
             "settings": {"prompts": len(prompts), "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
                          "num_draft_tokens": num_draft_tokens},
             "rows": [asdict(r) for r in rows],
+            "plain_matches_hugging_face": matches_hf,
         }
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {json_path}")
-    if not all(r.identical for r in rows):
+    if not matches_hf or not all(r.identical for r in rows):
         print("ERROR: a speculative output differs from plain decoding")
         return 1
     print("every speculative output is token-identical to plain decoding")

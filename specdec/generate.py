@@ -63,9 +63,11 @@ def generate(
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     drafters = inputs.normalise_drafters(drafter)
-    inputs.check_drafters(drafters, vocab_size, device)
+    inputs.check_drafters(drafters, vocab_size, device, token_prompts, max_new_tokens)
     verifier = PaddingFreeVerifier() if verifier is None else verifier
     policy = (FixedPolicy(4) if drafters else FixedPolicy(0)) if policy is None else policy
+    inputs.check_component(verifier, Verifier, "verifier")
+    inputs.check_component(policy, Policy, "policy")
     if policy.max_draft_tokens > 0 and not drafters:
         raise ValueError(f"{policy!r} drafts tokens but no drafter was given: pass drafter=... or FixedPolicy(0)")
 
@@ -88,7 +90,7 @@ def generate(
         prefill_time = time.perf_counter() - started
         step = 0
         while not batch.finished.all():
-            plan = _bounded(policy.plan(batch, len(drafters)), batch)
+            plan = _bounded(_checked(policy.plan(batch, len(drafters)), policy, batch, len(drafters)), batch)
             with timer.phase("draft"):
                 draft = _propose(drafters, batch, plan, device, vocab_size)
             with timer.phase("verify"):
@@ -97,7 +99,6 @@ def generate(
             host = verdict.to_host()  # the step's one synchronisation
             lengths_before = batch.lengths.copy()
             appended = batch.commit(host)
-            runner.cache.lengths[rows] = batch.lengths[rows] - 1
             for d in drafters:
                 d.commit(lengths_before, host.num_accepted)
             times = timer.collect()
@@ -128,7 +129,22 @@ def _prefill(runner: ModelRunner, batch: BatchState, device: torch.device) -> No
         token_ids = batch.packed_tokens(rows, starts, counts)
         layout = PackedLayout(rows=rows, starts=starts, counts=counts)
         runner.forward(torch.from_numpy(token_ids).to(device), layout, logits_indices=np.zeros(1, dtype=np.int64))
-    runner.cache.lengths[:] = batch.prompt_lengths - 1
+
+
+def _checked(plan: Plan, policy: Policy, batch: BatchState, num_drafters: int) -> Plan:
+    """A policy's plan must name existing drafters and stay within its own max_draft_tokens."""
+    problem = None
+    if not isinstance(plan, Plan):
+        problem = f"returned {type(plan).__name__}, not a Plan"
+    elif plan.drafter_index.shape != (batch.num_rows,) or plan.num_draft_tokens.shape != (batch.num_rows,):
+        problem = f"returned arrays of shapes {plan.drafter_index.shape} and {plan.num_draft_tokens.shape}, not ({batch.num_rows},)"
+    elif plan.num_draft_tokens.min() < 0 or plan.num_draft_tokens.max() > policy.max_draft_tokens:
+        problem = f"asked for draft lengths outside [0, max_draft_tokens={policy.max_draft_tokens}]"
+    elif np.any((plan.num_draft_tokens > 0) & ((plan.drafter_index < 0) | (plan.drafter_index >= num_drafters))):
+        problem = f"named a drafter outside the {num_drafters} given to generate()"
+    if problem:
+        raise ValueError(f"{policy!r} {problem}")
+    return plan
 
 
 def _bounded(plan: Plan, batch: BatchState) -> Plan:

@@ -34,6 +34,13 @@ def normalise_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
                     f"{tuple(prompt.shape)} and dtype {prompt.dtype}"
                 )
             array = prompt.detach().cpu().numpy().astype(np.int64)
+        elif isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise TypeError(
+                    f"prompt {index} must be a 1-D integer array of token ids, got shape {prompt.shape} "
+                    f"and dtype {prompt.dtype}"
+                )
+            array = prompt.astype(np.int64)
         elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
             raise TypeError(
                 f"prompt {index} must be a list of token ids or a 1-D tensor, got {type(prompt).__name__}"
@@ -98,6 +105,8 @@ def normalise_seeds(seed, num_rows: int) -> np.ndarray:
 def normalise_eos(eos_token_id, vocab_size: int) -> np.ndarray:
     if eos_token_id is None:
         return np.zeros(0, dtype=np.int64)
+    if isinstance(eos_token_id, (torch.Tensor, np.ndarray)):
+        eos_token_id = eos_token_id.tolist()
     ids = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else list(eos_token_id)
     for token in ids:
         if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
@@ -118,8 +127,17 @@ def normalise_drafters(drafter) -> list[Drafter]:
     return drafters
 
 
-def check_drafters(drafters: list[Drafter], target_vocab_size: int, target_device: torch.device) -> None:
+def check_drafters(drafters: list[Drafter], target_vocab_size: int, target_device: torch.device,
+                   prompts: list[np.ndarray], max_new_tokens: int) -> None:
+    longest = max(len(p) for p in prompts) + max_new_tokens
     for index, drafter in enumerate(drafters):
+        limit = drafter.max_positions()
+        if limit is not None and longest > limit:
+            raise ValueError(
+                f"drafter {index} ({drafter.describe()}) handles at most {limit} positions, but the longest "
+                f"prompt plus max_new_tokens={max_new_tokens} needs {longest}: shorten the prompts, lower "
+                "max_new_tokens or use a drafter with more positions"
+            )
         if drafter.vocab_size is not None and drafter.vocab_size != target_vocab_size:
             raise ValueError(
                 f"drafter {index} ({drafter.describe()}) has a vocabulary of {drafter.vocab_size} tokens but the "
@@ -131,6 +149,13 @@ def check_drafters(drafters: list[Drafter], target_vocab_size: int, target_devic
                 f"drafter {index} ({drafter.describe()}) is on {drafter_device} but the target is on "
                 f"{target_device}; move it with model.to('{target_device}')"
             )
+
+
+def check_component(value, expected: type, role: str) -> None:
+    if isinstance(value, type) and issubclass(value, expected):
+        raise TypeError(f"{role} must be an instance: pass {value.__name__}() rather than the class {value.__name__}")
+    if not isinstance(value, expected):
+        raise TypeError(f"{role} must be a specdec {expected.__name__}, got {type(value).__name__}")
 
 
 def check_target(target) -> tuple[int, torch.device]:

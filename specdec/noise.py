@@ -58,13 +58,22 @@ def uniform(keys: torch.Tensor) -> torch.Tensor:
     return (hash32(keys ^ 0x5BD1E995).to(torch.float64) + 0.5) / 2.0**32
 
 
+def vocabulary_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """32 random bits per (key, token id). keys: [...] -> [..., V] int64.
+
+    key ^ hash(token): two keys coincide only on scattered single tokens, never on whole runs
+    of the vocabulary shifted against each other.
+    """
+    token_ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)  # [V]
+    return hash32(keys.unsqueeze(-1) ^ hash32(token_ids + 0x27D4EB2F))
+
+
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise over the vocabulary for each key. keys: [...] -> [..., V] float32.
 
     ``argmax(probs / noise)`` is then a sample from ``probs`` (the exponential race), drawn
     without a host synchronisation.
     """
-    token_ids = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)  # [V]
-    bits = hash32(keys.unsqueeze(-1) * 0x27D4EB2F + token_ids)  # [..., V]
+    bits = vocabulary_bits(keys, vocab_size)  # [..., V]
     u = ((bits >> 8).to(torch.float32) + 0.5) / 2.0**24  # 24 random bits: exact in float32
     return -torch.log(u)

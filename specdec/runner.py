@@ -71,6 +71,15 @@ def check_supported(model: object) -> None:
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; specdec needs a decoder-only causal LM")
     if model.get_output_embeddings() is None:
         raise UnsupportedModelError(f"{name} has no language-model head; load it with AutoModelForCausalLM")
+    text_config = model.config.get_text_config()
+    layer_types = set(getattr(text_config, "layer_types", None) or [])
+    unsupported = layer_types - {"full_attention", "sliding_attention"}
+    if unsupported or getattr(text_config, "attention_chunk_size", None):
+        kinds = ", ".join(sorted(unsupported)) or "chunked_attention"
+        raise UnsupportedModelError(
+            f"{name} has layers of kind {kinds}; specdec's attention backends implement full and "
+            "sliding-window causal attention only"
+        )
     if not getattr(model, "_supports_attention_backend", False):
         raise UnsupportedModelError(
             f"{name} does not route its attention through transformers' AttentionInterface "
@@ -86,7 +95,10 @@ class ModelRunner:
         self.model = model
         self.device = device_of(model)
         self.vocab_size = vocab_size_of(model)
-        self.num_layers = model.config.get_text_config().num_hidden_layers
+        text_config = model.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        # the largest position id the model embeds; only pad slots of a padded layout exceed it
+        self.max_position_id = getattr(text_config, "max_position_embeddings", None)
         self.cache = KVCache(self.num_layers, max_rows, max_len)
         self.backend = BACKENDS[attention]
         self._checked_layers = False
@@ -123,9 +135,12 @@ class ModelRunner:
             )
         meta = self._metadata(layout, last_position)
         keep = 0 if logits_indices is None else torch.from_numpy(logits_indices).to(self.device)
+        position_ids = meta.token_positions
+        if self.max_position_id is not None:
+            position_ids = position_ids.clamp(max=self.max_position_id - 1)
         output = self.model(
             input_ids=input_ids[None],
-            position_ids=meta.token_positions[None],
+            position_ids=position_ids[None],
             use_cache=False,
             logits_to_keep=keep,
             **{METADATA_KWARG: meta},

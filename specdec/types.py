@@ -9,6 +9,7 @@ arrays, so that building the next forward pass never waits on the device.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ class SamplingParams:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+        if not isinstance(self.temperature, numbers.Real) or math.isnan(self.temperature):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(
@@ -44,7 +45,7 @@ class SamplingParams:
         ):
             raise ValueError(f"top_k must be an integer >= 1 or None (no cut), got {self.top_k!r}")
         if self.top_p is not None and (
-            not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0)
+            not isinstance(self.top_p, numbers.Real) or not (0.0 < self.top_p <= 1.0)
         ):
             raise ValueError(f"top_p must lie in (0, 1] or be None (no cut), got {self.top_p!r}")
 

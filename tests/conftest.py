@@ -9,3 +9,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_zoo_root(tmp_path_factory):
+    """A zoo root holding the 'tiny' preset, built once per test session (seconds)."""
+    from specdec.zoo import build
+
+    root = tmp_path_factory.mktemp("zoo")
+    build("tiny", out=root / "tiny", device="cpu", progress=False, log=lambda *_: None)
+    return root

@@ -14,7 +14,9 @@ from specdec import generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
 from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
-from tests.tiny import ARCHS, cached_model, device_params, hf_greedy, make_model, perturbed_copy, random_prompts
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from tests.tiny import ARCHS, AlternatingPolicy, cached_model, device_params, hf_greedy, make_model, perturbed_copy, random_prompts
 
 MAX_NEW_TOKENS = 24  # not a multiple of k + 1 for k in {1, 3, 6}: the budget ends inside a draft
 
@@ -113,12 +115,29 @@ def test_drafter_of_another_architecture_and_size(device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", device_params())
-def test_several_drafters_with_the_policy_choosing(device, dtype):
+@pytest.mark.parametrize("policy", [FixedPolicy(3, drafter_index=1), AlternatingPolicy(3)], ids=["one", "mixed"])
+def test_several_drafters_with_the_policy_choosing(policy, device, dtype):
     target = cached_model("qwen2", device, dtype)
     prompts = random_prompts(6, target.config.vocab_size, seed=8)
     drafters = [PromptLookupDrafter(), ModelDrafter(drafter_model("qwen2", device, dtype))]
-    out = generate(target, prompts, drafter=drafters, policy=FixedPolicy(3, drafter_index=1), max_new_tokens=MAX_NEW_TOKENS)
+    out = generate(target, prompts, drafter=drafters, policy=policy, max_new_tokens=MAX_NEW_TOKENS)
     assert out.sequences == [reference("qwen2", device, dtype, tuple(p), None) for p in prompts]
+    assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("verifier_class", [PaddedVerifier, PaddingFreeVerifier])
+def test_learned_positions_up_to_the_limit(verifier_class):
+    """GPT-2 embeds positions from a table: pad slots past its end must not break the padded
+    layout when a row reaches the last position while another still drafts."""
+    config = GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=40, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    target = GPT2LMHeadModel(config).double().eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    prompts = [[5, 6, 7] * 8, [9, 10]]
+    out = generate(target, prompts, drafter=ModelDrafter(perturbed_copy(target, 0.1)), verifier=verifier_class(),
+                   policy=FixedPolicy(6), max_new_tokens=16)
+    assert out.sequences == [hf_greedy(target, p, 16) for p in prompts]
 
 
 def test_sliding_window_model_matches_its_own_decoding():

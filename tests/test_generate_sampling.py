@@ -19,7 +19,7 @@ from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
 from specdec.sampling import process_logits
 from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
-from tests.tiny import make_model, perturbed_copy, random_prompts
+from tests.tiny import AlternatingPolicy, make_model, perturbed_copy, random_prompts
 
 ALPHA = 1e-3
 N = 12_000
@@ -71,13 +71,26 @@ def joint_pvalue(sequences, joint: np.ndarray) -> float:
 def test_first_two_tokens_follow_the_target(target, drafter_model, drafter_kind, verifier_class, num_draft_tokens):
     drafter = {"none": None, "model": ModelDrafter(drafter_model), "lookup": PromptLookupDrafter()}[drafter_kind]
     out = generate(target, [PROMPT] * N, drafter=drafter, verifier=verifier_class(),
-                   policy=FixedPolicy(num_draft_tokens), max_new_tokens=2, sampling=PARAMS, seed=0)
-    assert all(len(s) == 2 for s in out.sequences)
-    assert joint_pvalue(out.sequences, joint_first_two(target, PARAMS)) > ALPHA
+                   policy=FixedPolicy(num_draft_tokens), max_new_tokens=4, sampling=PARAMS, seed=0)
+    assert all(len(s) == 4 for s in out.sequences)
+    first_two = [s[:2] for s in out.sequences]
+    assert joint_pvalue(first_two, joint_first_two(target, PARAMS)) > ALPHA
+    if num_draft_tokens >= 2 and drafter_kind == "model":  # chains reached their second and third slots
+        assert out.stats.accepted_by_position[1] > 1000
     if drafter_kind != "none":
         assert 0.0 < out.stats.acceptance_rate < 1.0  # both branches of the rule ran
     # negative control: the same test tells the drafter's distribution apart
-    assert joint_pvalue(out.sequences, joint_first_two(drafter_model, PARAMS)) < ALPHA
+    assert joint_pvalue(first_two, joint_first_two(drafter_model, PARAMS)) < ALPHA
+
+
+def test_two_drafters_mixed_within_each_step(target, drafter_model):
+    """Rows alternate between a drafter with probabilities and prompt lookup (point mass), so
+    every step merges both kinds of proposal."""
+    out = generate(target, [PROMPT] * N, drafter=[ModelDrafter(drafter_model), PromptLookupDrafter()],
+                   policy=AlternatingPolicy(2), max_new_tokens=4, sampling=PARAMS, seed=0)
+    first_two = [s[:2] for s in out.sequences]
+    assert joint_pvalue(first_two, joint_first_two(target, PARAMS)) > ALPHA
+    assert joint_pvalue(first_two, joint_first_two(drafter_model, PARAMS)) < ALPHA
 
 
 def test_output_does_not_depend_on_the_batch(target, drafter_model):

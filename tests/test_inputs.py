@@ -124,3 +124,59 @@ def test_eos_outside_the_vocabulary(target):
 def test_bad_fixed_policy():
     with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 0"):
         FixedPolicy(-1)
+
+
+def test_numpy_inputs_are_accepted(target):
+    import numpy as np
+
+    as_lists = generate(target, [[1, 2, 3], [4]], max_new_tokens=5, eos_token_id=7)
+    as_numpy = generate(target, [np.array([1, 2, 3]), np.array([4], dtype=np.int32)], max_new_tokens=5,
+                        eos_token_id=torch.tensor(7))
+    assert as_lists.sequences == as_numpy.sequences
+    SamplingParams(temperature=np.float32(0.7), top_p=np.float64(0.9))
+
+
+def test_a_verifier_or_policy_class_instead_of_an_instance(target):
+    from specdec.verifiers import PaddedVerifier
+
+    with pytest.raises(TypeError, match=r"pass PaddedVerifier\(\) rather than the class"):
+        generate(target, [[1, 2]], verifier=PaddedVerifier)
+    with pytest.raises(TypeError, match="policy must be a specdec Policy, got int"):
+        generate(target, [[1, 2]], policy=4)
+
+
+class BrokenPolicy(FixedPolicy):
+    def __init__(self, drafter_index, num_draft_tokens):
+        super().__init__(2)
+        self.bad = (drafter_index, num_draft_tokens)
+
+    def plan(self, batch, num_drafters):
+        import numpy as np
+
+        plan = super().plan(batch, num_drafters)
+        plan.drafter_index[:] = self.bad[0]
+        plan.num_draft_tokens[:] = self.bad[1]
+        return plan
+
+
+@pytest.mark.parametrize("drafter_index,num_tokens,message", [(3, 2, "named a drafter outside the 1"),
+                                                             (0, 5, r"outside \[0, max_draft_tokens=2\]"),
+                                                             (0, -1, r"outside \[0, max_draft_tokens=2\]")])
+def test_a_policy_plan_out_of_bounds(target, drafter_index, num_tokens, message):
+    with pytest.raises(ValueError, match=message):
+        generate(target, [[1, 2]], drafter=PromptLookupDrafter(), policy=BrokenPolicy(drafter_index, num_tokens))
+
+
+def test_drafter_with_fewer_positions_than_needed(target):
+    short = make_model("llama", max_positions=16)
+    with pytest.raises(ValueError, match="handles at most 16 positions, but the longest prompt plus max_new_tokens=20 needs 22"):
+        generate(target, [[1, 2]], drafter=ModelDrafter(short), max_new_tokens=20)
+
+
+def test_chunked_attention_models_are_refused():
+    from specdec import UnsupportedModelError
+
+    model = make_model("llama")
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match="chunked_attention"):
+        generate(model, [[1, 2]], max_new_tokens=2)

@@ -37,10 +37,35 @@ def test_exponential_noise_is_exponential():
     assert stats.kstest(e.double().numpy(), "expon").pvalue > 1e-3
 
 
-def test_hash_has_no_signed_overflow_issues_at_the_extremes():
-    x = torch.tensor([0, 1, 2**32 - 1, 2**63 - 1])
-    h = noise.hash32(x)
-    assert ((h >= 0) & (h < 2**32)).all()
+def lowbias32(x: int) -> int:
+    """The same mixer on Python integers, as the reference."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_hash_equals_the_plain_integer_reference():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.tensor([0, 1, 2**32 - 1, 2**32, 2**63 - 1]),
+                        torch.randint(0, 2**62, (2000,), generator=generator)])
+    assert noise.hash32(values).tolist() == [lowbias32(v) for v in values.tolist()]
+
+
+def test_noise_of_two_keys_is_never_a_shifted_copy():
+    """A scheme hashing key * C + token makes key2 = key1 + 5 / C (mod 2**32) repeat key1's noise
+    shifted by 5 tokens; the keys below are exactly such a pair."""
+    multiplier = 0x27D4EB2F
+    first = 123456789
+    second = (first + 5 * pow(multiplier, -1, 2**32)) % 2**32
+    shifted_scheme = [noise.hash32(torch.tensor([k]) * multiplier + torch.arange(1000)) for k in (first, second)]
+    assert torch.equal(shifted_scheme[1][:-5], shifted_scheme[0][5:])  # the failure this guards against
+    ours = noise.vocabulary_bits(torch.tensor([first, second]), 1000)
+    for shift in range(-20, 21):
+        a, b = (ours[0, shift:], ours[1, : 1000 - shift]) if shift >= 0 else (ours[0, :shift], ours[1, -shift:])
+        assert (a == b).sum() <= 1
 
 
 @pytest.mark.cuda

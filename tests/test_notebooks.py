@@ -17,9 +17,9 @@ def test_notebook_is_stripped(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip outputs before committing"
 
 
-def test_quickstart_runs(tmp_path, monkeypatch):
+def test_quickstart_runs(tiny_zoo_root, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_NOTEBOOK_PRESET", "tiny")
-    monkeypatch.setenv("SPECDEC_ZOO_DIR", str(tmp_path / "zoo"))
+    monkeypatch.setenv("SPECDEC_ZOO_DIR", str(tiny_zoo_root))
     path = Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.ipynb"
     notebook = nbformat.read(path, as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

@@ -99,6 +99,36 @@ def test_point_mass_rule_reproduces_target(params, proposal):
     assert abs(verdict.num_accepted.double().mean().item() - expected_rate) < 4 * np.sqrt(0.25 / N)
 
 
+CHAIN_TARGET = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.0], [0.3, 0.3, 1.5, -2.0, 0.8, 0.1],
+                             [-1.0, 2.0, 0.0, 0.5, 0.5, 1.0], [0.0, 0.0, 0.0, 3.0, -1.0, 1.0]])  # [K+1, V]
+CHAIN_DRAFT = torch.tensor([[2.0, -0.3, 0.4, 1.0, -1.0, 0.5], [0.3, 0.0, 1.0, 0.0, 0.8, 0.4],
+                            [-0.5, 1.5, 0.3, 0.5, 0.0, 1.0]])  # [K, V]
+
+
+@pytest.mark.parametrize("point_mass", [False, True], ids=["with-probs", "point-mass"])
+def test_three_token_chain_emits_each_slot_from_its_distribution(point_mass):
+    """With slot distributions that do not depend on the prefix, the token emitted at slot j
+    (accepted draft, recovered or bonus) follows p_j among the rows that reach slot j."""
+    params = SamplingParams(temperature=1.0)
+    target_probs = process_logits(CHAIN_TARGET, params)  # [4, V]
+    draft_probs = process_logits(CHAIN_DRAFT, params)  # [3, V]
+    seeds = torch.arange(N)
+    positions = torch.full((N,), 3)
+    slots = torch.arange(3)
+    draft_tokens = sample(draft_probs.expand(N, 3, 6), noise.stream_keys(seeds[:, None], positions[:, None] + slots, noise.DRAFT))
+    verdict = chain_verdict(draft_tokens, torch.full((N,), 3), CHAIN_TARGET.expand(N, 4, 6),
+                            None if point_mass else draft_probs.expand(N, 3, 6), params, seeds, positions)
+    for slot in range(4):
+        reached = verdict.num_emitted > slot
+        assert reached.sum() > 500  # enough rows for a chi-square over 6 categories
+        assert chi_square_pvalue(verdict.token_ids[reached, slot], target_probs[slot]) > ALPHA
+    if not point_mass:  # i.i.d. slots: the chance of reaching slot j is the product of the alphas before it
+        alphas = torch.minimum(target_probs[:3], draft_probs).sum(-1)
+        for slot in range(1, 4):
+            expected = alphas[:slot].prod().item()
+            assert abs((verdict.num_accepted >= slot).double().mean().item() - expected) < 4 * np.sqrt(0.25 / N)
+
+
 def test_greedy_rule_table():
     """Rows: draft tokens, count, target argmax per slot -> emitted tokens, accepted."""
     cases = [

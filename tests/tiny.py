@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -15,6 +16,9 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from specdec.policies import Policy
+from specdec.types import Plan
 
 ARCHS = ("llama", "qwen2", "gpt_neox")
 NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -79,6 +83,21 @@ def random_prompts(batch_size: int, vocab_size: int, seed: int, min_len: int = 1
             prompt = prompt + prompt[: max(1, length // 2)]
         prompts.append(prompt)
     return prompts
+
+
+class AlternatingPolicy(Policy):
+    """Row r drafts with drafter r % num_drafters: several drafters in every step."""
+
+    def __init__(self, num_draft_tokens: int):
+        self.num_draft_tokens = num_draft_tokens
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_draft_tokens
+
+    def plan(self, batch, num_drafters):
+        rows = np.arange(batch.num_rows)
+        return Plan(drafter_index=rows % num_drafters, num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens))
 
 
 def device_params():

@@ -35,6 +35,10 @@ class Drafter(ABC):
     def finish(self) -> None:
         """Release what start() allocated."""
 
+    def max_positions(self) -> int | None:
+        """The most positions (prompt plus output) the drafter can handle, or None if unbounded."""
+        return None
+
     def device(self) -> torch.device | None:
         """The device the drafter computes on, or None if it has no model."""
         return None

@@ -36,6 +36,9 @@ class ModelDrafter(Drafter):
     def device(self) -> torch.device:
         return device_of(self.model)
 
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
     def describe(self) -> str:
         return f"ModelDrafter({type(self.model).__name__}, {sum(p.numel() for p in self.model.parameters()):,} params)"
 
@@ -98,4 +101,5 @@ class ModelDrafter(Drafter):
     def commit(self, lengths_before: np.ndarray, num_accepted: np.ndarray) -> None:
         # Cached drafts beyond the accepted ones were computed from rejected tokens.
         cache = self._runner.cache
-        cache.lengths[:] = np.minimum(cache.lengths, lengths_before + num_accepted)
+        rows = np.arange(cache.max_rows)
+        cache.rollback(rows, np.minimum(cache.lengths, lengths_before + num_accepted))

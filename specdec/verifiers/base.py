@@ -3,8 +3,9 @@ target forward pass, then apply the chain acceptance rule (sampling.py).
 
 Invariant: how rows are laid out for the forward pass (padded, packed, ...) is the verifier's
 whole business; the verdict is the same whatever the layout. The target's cache holds each
-row's committed tokens but the last; the pass writes the last token and the drafts after it,
-and the caller rolls the cache back to what is committed.
+row's committed tokens but the last (``batch.lengths - 1`` positions); the pass writes the last
+token and the drafts after it, and whatever lies beyond the next committed length is stale and
+overwritten by the next step, so the target needs no explicit rollback.
 """
 
 from __future__ import annotations
