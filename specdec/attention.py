@@ -36,7 +36,10 @@ class AttentionMetadata:
     token_group: torch.Tensor  # [N] group (contiguous run of one row) of each token
     token_slot: torch.Tensor  # [N] index of each token within its group
     group_rows: torch.Tensor  # [G] cache row of each group
+    group_first_token: torch.Tensor  # [G] packed index of each group's first token
+    group_counts: torch.Tensor  # [G] tokens per group
     group_query_positions: torch.Tensor  # [G, Q] position of each query slot (0 in empty slots)
+    max_group_tokens: int  # host: Q, the most tokens in one group
     max_kv_len: int  # host: 1 + the largest position in the pass
     backend: Callable
 
@@ -83,7 +86,39 @@ def reference_attention(
     return grouped_out[meta.token_group, meta.token_slot][None]  # [1, N, H, D]
 
 
-BACKENDS: dict[str, Callable] = {"reference": reference_attention}
+def fast_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The Triton kernel of ``triton_attention.py``: reads each row's keys up to its real length.
+
+    query: [1, H, N, D], key/value: [1, Hkv, N, D] -> output [1, N, H, D]. CUDA only.
+    """
+    from .triton_attention import packed_attention
+
+    layer_idx = module.layer_idx
+    meta.cache.write(layer_idx, meta.token_rows, meta.token_positions, key[0], value[0])
+    output = packed_attention(
+        query[0].transpose(0, 1),  # [N, H, D]
+        meta.cache.keys[layer_idx],
+        meta.cache.values[layer_idx],
+        meta.token_positions,
+        meta.group_rows,
+        meta.group_first_token,
+        meta.group_counts,
+        meta.max_group_tokens,
+        scaling,
+        sliding_window,
+    )
+    return output[None]
+
+
+BACKENDS: dict[str, Callable] = {"reference": reference_attention, "fast": fast_attention}
 
 _UNSUPPORTED_KWARGS = {
     "softcap": "attention logit soft-capping",

@@ -87,6 +87,32 @@ def check_supported(model: object) -> None:
         )
 
 
+def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, backend) -> AttentionMetadata:
+    """Device-side description of a packed pass, shared by every attention layer."""
+    counts = layout.counts
+    offsets = layout.offsets()
+    group_of_token = np.repeat(np.arange(len(counts)), counts)  # [N]
+    slot_of_token = np.arange(layout.num_tokens) - np.repeat(offsets[:-1], counts)  # [N]
+    max_queries = int(counts.max())
+    query_positions = layout.starts[:, None] + np.arange(max_queries)  # [G, Q]
+    query_positions = np.where(np.arange(max_queries) < counts[:, None], query_positions, 0)
+    to_device = lambda array: torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)  # noqa: E731
+    return AttentionMetadata(
+        cache=cache,
+        token_rows=to_device(layout.rows[group_of_token]),
+        token_positions=to_device(layout.starts[group_of_token] + slot_of_token),
+        token_group=to_device(group_of_token),
+        token_slot=to_device(slot_of_token),
+        group_rows=to_device(layout.rows),
+        group_first_token=to_device(offsets[:-1]),
+        group_counts=to_device(counts),
+        group_query_positions=to_device(query_positions),
+        max_group_tokens=max_queries,
+        max_kv_len=int((layout.starts + counts).max()),
+        backend=backend,
+    )
+
+
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, *, max_rows: int, max_len: int, attention: str = "reference"):
         check_supported(model)
@@ -94,6 +120,11 @@ class ModelRunner:
             raise ValueError(f"unknown attention backend {attention!r}; choose one of {sorted(BACKENDS)}")
         self.model = model
         self.device = device_of(model)
+        if attention == "fast" and (self.device.type != "cuda" or model.dtype == torch.float64):
+            raise ValueError(
+                f"the fast attention backend runs on CUDA in float32, bfloat16 or float16; the model is "
+                f"{model.dtype} on {self.device}: use attention='reference' there"
+            )
         self.vocab_size = vocab_size_of(model)
         text_config = model.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
@@ -133,7 +164,7 @@ class ModelRunner:
             raise ValueError(
                 f"position {last_position - 1} does not fit the cache of {self.cache.max_len} positions"
             )
-        meta = self._metadata(layout, last_position)
+        meta = packed_metadata(layout, self.cache, self.device, self.backend)
         keep = 0 if logits_indices is None else torch.from_numpy(logits_indices).to(self.device)
         position_ids = meta.token_positions
         if self.max_position_id is not None:
@@ -148,26 +179,6 @@ class ModelRunner:
         if not self._checked_layers:
             self._check_every_layer_ran()
         return output.logits[0]
-
-    def _metadata(self, layout: PackedLayout, max_kv_len: int) -> AttentionMetadata:
-        counts = layout.counts
-        group_of_token = np.repeat(np.arange(len(counts)), counts)  # [N]
-        slot_of_token = np.arange(layout.num_tokens) - np.repeat(layout.offsets()[:-1], counts)  # [N]
-        max_queries = int(counts.max())
-        query_positions = layout.starts[:, None] + np.arange(max_queries)  # [G, Q]
-        query_positions = np.where(np.arange(max_queries) < counts[:, None], query_positions, 0)
-        to_device = lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(self.device)  # noqa: E731
-        return AttentionMetadata(
-            cache=self.cache,
-            token_rows=to_device(layout.rows[group_of_token]),
-            token_positions=to_device(layout.starts[group_of_token] + slot_of_token),
-            token_group=to_device(group_of_token),
-            token_slot=to_device(slot_of_token),
-            group_rows=to_device(layout.rows),
-            group_query_positions=to_device(query_positions),
-            max_kv_len=max_kv_len,
-            backend=self.backend,
-        )
 
     def _check_every_layer_ran(self) -> None:
         written = self.cache.layers_written()

@@ -1,0 +1,125 @@
+"""Fast attention over packed ragged rows and our KV cache, as a Triton kernel (DESIGN §4).
+
+Invariant: the output equals ``attention.reference_attention`` (causal by position, optional
+sliding window), and each program reads its row's keys and values only up to the row's real
+length (the largest query position in its group plus one, from the window's start when there
+is one): never to the cache's ``max_len``.
+
+One program per (group, KV head, block of query rows); a block's query rows are the group's
+tokens times the query heads that share the KV head (grouped-query attention), so decode steps
+with one to a few tokens per row still fill a matrix-unit tile. Online softmax in float32;
+float32 inputs use IEEE products (no TF32), so greedy decoding stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _packed_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    token_positions_ptr, group_rows_ptr, group_first_token_ptr, group_counts_ptr,
+    stride_q_token, stride_q_head,
+    stride_k_row, stride_k_head, stride_k_pos,
+    stride_v_row, stride_v_head, stride_v_pos,
+    stride_o_token, stride_o_head,
+    scale, window,
+    HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    group = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    count = tl.load(group_counts_ptr + group)
+    if m_block * BLOCK_M < count * HEADS_PER_KV:
+        first_token = tl.load(group_first_token_ptr + group)
+        cache_row = tl.load(group_rows_ptr + group).to(tl.int64)
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows: token-major, then head
+        valid_m = offs_m < count * HEADS_PER_KV
+        token = first_token + offs_m // HEADS_PER_KV
+        head = kv_head * HEADS_PER_KV + offs_m % HEADS_PER_KV
+        offs_d = tl.arange(0, BLOCK_D)
+        valid_d = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+                    mask=valid_m[:, None] & valid_d[None, :], other=0.0)  # [M, D]
+        q_pos = tl.load(token_positions_ptr + token, mask=valid_m, other=0)  # [M]
+        kv_len = tl.max(tl.where(valid_m, q_pos, 0), axis=0) + 1
+        lowest = tl.min(tl.where(valid_m, q_pos, kv_len), axis=0) - window + 1  # first key a window lets in
+        kv_start = tl.where(window > 0, tl.maximum(lowest, 0) // BLOCK_N * BLOCK_N, 0)
+
+        k_base = k_cache_ptr + cache_row * stride_k_row + kv_head * stride_k_head
+        v_base = v_cache_ptr + cache_row * stride_v_row + kv_head * stride_v_head
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start_n in range(kv_start, kv_len, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            in_row = offs_n < kv_len
+            k = tl.load(k_base + offs_n[None, :] * stride_k_pos + offs_d[:, None],
+                        mask=in_row[None, :] & valid_d[:, None], other=0.0)  # [D, N]
+            if IEEE:
+                scores = tl.dot(q, k, input_precision="ieee")
+            else:
+                scores = tl.dot(q, k)
+            scores = scores * scale  # [M, N]
+            visible = offs_n[None, :] <= q_pos[:, None]
+            if window > 0:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + offs_n[:, None] * stride_v_pos + offs_d[None, :],
+                        mask=in_row[:, None] & valid_d[None, :], other=0.0)  # [N, D]
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_d[None, :])
+
+
+def packed_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    token_positions: torch.Tensor,
+    group_rows: torch.Tensor,
+    group_first_token: torch.Tensor,
+    group_counts: torch.Tensor,
+    max_group_tokens: int,
+    scaling: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """query: [N, H, D] (last dim contiguous); keys/values: cache [R, Hkv, L, D];
+    token_positions: [N]; group_rows, group_first_token, group_counts: [G] -> output [N, H, D]."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    heads_per_kv = num_heads // num_kv_heads
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    rows_per_group = max_group_tokens * heads_per_kv
+    block_m = 16 if rows_per_group <= 16 else (32 if rows_per_group <= 32 else 64)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    grid = (group_rows.shape[0], num_kv_heads, triton.cdiv(rows_per_group, block_m))
+    _packed_attention_kernel[grid](
+        query, keys, values, out,
+        token_positions, group_rows, group_first_token, group_counts,
+        query.stride(0), query.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        out.stride(0), out.stride(1),
+        scaling, sliding_window or 0,
+        HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=64, IEEE=query.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out
