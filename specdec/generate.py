@@ -16,12 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .transfer import to_device
+
 from . import inputs
 from .batch import BatchState
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
-from .runner import ModelRunner, PackedLayout
+from .runner import ModelRunner, PackedLayout, runner_for
 from .stats import GenerationStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
 from .types import Draft, Plan, SamplingParams
@@ -46,6 +48,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     seed: int | list[int] = 0,
     attention: str = "reference",
+    cuda_graphs: bool = False,
 ) -> GenerateOutput:
     """Generate from ``target`` for every prompt, speculatively.
 
@@ -53,6 +56,9 @@ def generate(
     policy picks per row); none means plain decoding. eos_token_id: None never stops early; an
     id or a list of ids stops a row after it emits one. seed: an int (request i uses seed + i)
     or one per prompt; a request's output depends only on its own seed, not on its batch.
+    attention: "reference" (plain torch, any device) or "fast" (Triton, CUDA). cuda_graphs:
+    capture the target's verify passes as CUDA graphs (needs attention="fast"); the runner and
+    its graphs are kept with the model and reused by later calls of the same or smaller size.
     """
     started = time.perf_counter()
     vocab_size, device = inputs.check_target(target)
@@ -78,7 +84,9 @@ def generate(
         inputs.normalise_eos(eos_token_id, vocab_size),
     )
     max_draft = policy.max_draft_tokens
-    runner = ModelRunner(target, max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1, attention=attention)
+    graph_shape = (max_draft + 1, batch.num_rows * (max_draft + 1)) if cuda_graphs else None
+    runner = runner_for(target, role="target", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1,
+                        attention=attention, graph_shape=graph_shape)
     recorder = StatsRecorder(batch.num_rows, max_draft)
     timer = PhaseTimer(device)
     with contextlib.ExitStack() as stack:  # unwinds in reverse: drafters finish before the target detaches
@@ -128,7 +136,7 @@ def _prefill(runner: ModelRunner, batch: BatchState, device: torch.device) -> No
         starts = np.zeros(len(rows), dtype=np.int64)
         token_ids = batch.packed_tokens(rows, starts, counts)
         layout = PackedLayout(rows=rows, starts=starts, counts=counts)
-        runner.forward(torch.from_numpy(token_ids).to(device), layout, logits_indices=np.zeros(1, dtype=np.int64))
+        runner.forward(to_device(token_ids, device), layout, logits_indices=np.zeros(1, dtype=np.int64))
 
 
 def _checked(plan: Plan, policy: Policy, batch: BatchState, num_drafters: int) -> Plan:

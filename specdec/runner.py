@@ -14,11 +14,14 @@ caller's model still works with Hugging Face's ``generate()`` after ours.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
+
+from .transfer import to_device
 from transformers import PreTrainedModel
 
 from .attention import ATTENTION_NAME, BACKENDS, METADATA_KWARG, AttentionMetadata
@@ -96,21 +99,43 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
     max_queries = int(counts.max())
     query_positions = layout.starts[:, None] + np.arange(max_queries)  # [G, Q]
     query_positions = np.where(np.arange(max_queries) < counts[:, None], query_positions, 0)
-    to_device = lambda array: torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)  # noqa: E731
+    to_device_int = lambda array: to_device(np.asarray(array, dtype=np.int64), device)  # noqa: E731
     return AttentionMetadata(
         cache=cache,
-        token_rows=to_device(layout.rows[group_of_token]),
-        token_positions=to_device(layout.starts[group_of_token] + slot_of_token),
-        token_group=to_device(group_of_token),
-        token_slot=to_device(slot_of_token),
-        group_rows=to_device(layout.rows),
-        group_first_token=to_device(offsets[:-1]),
-        group_counts=to_device(counts),
-        group_query_positions=to_device(query_positions),
+        token_rows=to_device_int(layout.rows[group_of_token]),
+        token_positions=to_device_int(layout.starts[group_of_token] + slot_of_token),
+        token_group=to_device_int(group_of_token),
+        token_slot=to_device_int(slot_of_token),
+        group_rows=to_device_int(layout.rows),
+        group_first_token=to_device_int(offsets[:-1]),
+        group_counts=to_device_int(counts),
+        group_query_positions=to_device_int(query_positions),
         max_group_tokens=max_queries,
         max_kv_len=int((layout.starts + counts).max()),
         backend=backend,
     )
+
+
+_RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, ModelRunner]]" = weakref.WeakKeyDictionary()
+
+
+def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str = "reference",
+               graph_shape: tuple[int, int] | None = None) -> "ModelRunner":
+    """A runner for ``model`` big enough for the call, reused across calls while it fits (its
+    cache and captured graphs stay allocated as long as the model lives).
+
+    role: "target" or "drafter": a model drafting for itself gets a cache of its own per role.
+    graph_shape: (max tokens per group, max tokens per pass) to capture CUDA graphs for, or None.
+    """
+    runners = _RUNNERS.setdefault(model, {})
+    runner = runners.get(role)
+    if runner is None or not runner.covers(max_rows, max_len, attention, graph_shape):
+        runners.pop(role, None)  # free the old cache before allocating the new one
+        runner = ModelRunner(model, max_rows=max_rows, max_len=max_len, attention=attention)
+        if graph_shape is not None:
+            runner.enable_graphs(*graph_shape)
+        runners[role] = runner
+    return runner
 
 
 class ModelRunner:
@@ -130,9 +155,32 @@ class ModelRunner:
         self.num_layers = text_config.num_hidden_layers
         # the largest position id the model embeds; only pad slots of a padded layout exceed it
         self.max_position_id = getattr(text_config, "max_position_embeddings", None)
-        self.cache = KVCache(self.num_layers, max_rows, max_len)
+        self.max_rows = max_rows
+        self.attention = attention
+        self.cache = KVCache(self.num_layers, max_rows + 1, max_len)  # + a scratch row for graph filler
         self.backend = BACKENDS[attention]
+        self.graphs = None
         self._checked_layers = False
+
+    def enable_graphs(self, max_group_tokens: int, max_tokens: int) -> None:
+        """Capture CUDA graphs for passes of up to ``max_tokens`` tokens in groups of at most
+        ``max_group_tokens`` (the explicit warm-up; passes that do not fit run eagerly)."""
+        from .graphs import GraphedForward
+
+        if self.device.type != "cuda" or self.attention != "fast":
+            raise ValueError("CUDA graphs need a CUDA model and attention='fast'")
+        self.graphs = GraphedForward(self, max_group_tokens, max_tokens)
+        with self.attached():
+            self.graphs.capture()
+
+    def covers(self, max_rows: int, max_len: int, attention: str, graph_shape: tuple[int, int] | None) -> bool:
+        """Whether this runner can serve a call of that size (so its cache and graphs are reused)."""
+        if self.max_rows < max_rows or self.cache.max_len < max_len or self.attention != attention:
+            return False
+        if graph_shape is None:
+            return self.graphs is None
+        return (self.graphs is not None and self.graphs.max_group_tokens >= graph_shape[0]
+                and self.graphs.max_tokens >= graph_shape[1])
 
     @contextlib.contextmanager
     def attached(self) -> Iterator["ModelRunner"]:
@@ -164,8 +212,11 @@ class ModelRunner:
             raise ValueError(
                 f"position {last_position - 1} does not fit the cache of {self.cache.max_len} positions"
             )
+        if self.graphs is not None and self.graphs.fits(layout.counts):
+            logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts)  # valid until the next replay
+            return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         meta = packed_metadata(layout, self.cache, self.device, self.backend)
-        keep = 0 if logits_indices is None else torch.from_numpy(logits_indices).to(self.device)
+        keep = 0 if logits_indices is None else to_device(logits_indices, self.device)
         position_ids = meta.token_positions
         if self.max_position_id is not None:
             position_ids = position_ids.clamp(max=self.max_position_id - 1)

@@ -101,11 +101,9 @@ class Verdict:
 
     def to_host(self) -> "HostVerdict":
         """Copy to the host: the one synchronisation of a decoding step."""
-        return HostVerdict(
-            token_ids=self.token_ids.cpu().numpy(),
-            num_emitted=self.num_emitted.cpu().numpy(),
-            num_accepted=self.num_accepted.cpu().numpy(),
-        )
+        packed = torch.cat([self.token_ids, self.num_emitted[:, None], self.num_accepted[:, None]], dim=1)
+        host = packed.cpu().numpy()  # [B, K+3], one transfer
+        return HostVerdict(token_ids=host[:, :-2], num_emitted=host[:, -2], num_accepted=host[:, -1])
 
 
 @dataclass

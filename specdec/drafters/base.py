@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
+from ..transfer import to_device
+
 from ..batch import BatchState
 from ..types import PAD_ID, Draft, SamplingParams
 
@@ -65,7 +67,7 @@ def merge_drafts(drafts: list[Draft], owner: np.ndarray, vocab_size: int) -> Dra
     max_tokens = max(d.max_tokens for d in drafts)
     num_rows = len(owner)
     device = drafts[0].token_ids.device
-    owner_t = torch.from_numpy(owner).to(device)
+    owner_t = to_device(owner, device)
     token_ids = torch.full((num_rows, max_tokens), PAD_ID, dtype=torch.int64, device=device)  # [B, K]
     num_tokens = np.zeros(num_rows, dtype=np.int64)
     with_probs = any(d.probs is not None for d in drafts)

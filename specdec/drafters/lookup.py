@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from ..transfer import to_device
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..batch import BatchState
@@ -79,4 +81,4 @@ class PromptLookupDrafter(Drafter):
         proposals, counts = find_continuations(
             batch.token_ids, batch.lengths, num_tokens, self.min_ngram, self.max_ngram
         )
-        return Draft(token_ids=torch.from_numpy(proposals).to(self._device), num_tokens=counts)
+        return Draft(token_ids=to_device(proposals, self._device), num_tokens=counts)

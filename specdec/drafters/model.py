@@ -16,19 +16,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..transfer import to_device
+
 from .. import noise
 from ..batch import BatchState
-from ..runner import ModelRunner, PackedLayout, check_supported, device_of, vocab_size_of
+from ..runner import ModelRunner, PackedLayout, check_supported, device_of, runner_for, vocab_size_of
 from ..sampling import next_tokens
 from ..types import PAD_ID, Draft, SamplingParams
 from .base import Drafter
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, model, attention: str = "reference"):
+    def __init__(self, model, attention: str = "reference", cuda_graphs: bool = False):
         check_supported(model)
         self.model = model
         self.attention = attention
+        self.cuda_graphs = cuda_graphs
         self.vocab_size = vocab_size_of(model)
         self._runner: ModelRunner | None = None
         self._attached = None
@@ -44,15 +47,14 @@ class ModelDrafter(Drafter):
 
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
         self.sampling = sampling
-        self._runner = ModelRunner(
-            self.model,
-            max_rows=batch.num_rows,
-            max_len=batch.max_total_len + max_draft_tokens + 1,
-            attention=self.attention,
-        )
+        # catch-up passes carry one or two tokens per row after the first step; single-token steps one
+        graph_shape = (2, 2 * batch.num_rows) if self.cuda_graphs else None
+        self._runner = runner_for(self.model, role="drafter", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft_tokens + 1,
+                                  attention=self.attention, graph_shape=graph_shape)
+        self._runner.cache.lengths[:] = 0  # a reused runner: nothing cached is valid for this batch
         self._attached = self._runner.attached()
         self._attached.__enter__()
-        self._seeds = torch.from_numpy(batch.seeds).to(self.device())
+        self._seeds = to_device(batch.seeds, self.device())
 
     def finish(self) -> None:
         if self._attached is not None:
@@ -77,13 +79,13 @@ class ModelDrafter(Drafter):
         catch_up = batch.packed_tokens(rows, starts, ends)
         layout = PackedLayout(rows=rows, starts=starts, counts=ends - starts)
         logits = runner.forward(
-            torch.from_numpy(catch_up).to(device), layout, logits_indices=layout.last_token_indices()
+            to_device(catch_up, device), layout, logits_indices=layout.last_token_indices()
         )  # [R, V]
         cached[rows] = ends
 
         for depth in range(max_tokens):
-            rows_t = torch.from_numpy(rows).to(device)
-            positions = torch.from_numpy(batch.lengths[rows] + depth).to(device)  # [R]
+            rows_t = to_device(rows, device)
+            positions = to_device(batch.lengths[rows] + depth, device)  # [R]
             chosen, chosen_probs = next_tokens(logits, self.sampling, self._seeds[rows_t], positions, noise.DRAFT)
             token_ids[rows_t, depth] = chosen
             if probs is not None:
@@ -94,12 +96,13 @@ class ModelDrafter(Drafter):
                 break
             rows = rows[keep]
             layout = PackedLayout(rows=rows, starts=cached[rows], counts=np.ones(len(rows), dtype=np.int64))
-            logits = runner.forward(chosen[torch.from_numpy(keep).to(device)], layout)  # [R', V]
+            kept = to_device(np.flatnonzero(keep), device)
+            logits = runner.forward(chosen[kept], layout)  # [R', V]
             cached[rows] += 1
         return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
 
     def commit(self, lengths_before: np.ndarray, num_accepted: np.ndarray) -> None:
         # Cached drafts beyond the accepted ones were computed from rejected tokens.
         cache = self._runner.cache
-        rows = np.arange(cache.max_rows)
-        cache.rollback(rows, np.minimum(cache.lengths, lengths_before + num_accepted))
+        rows = np.arange(len(lengths_before))
+        cache.rollback(rows, np.minimum(cache.lengths[rows], lengths_before + num_accepted))

@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
+from ..transfer import to_device
+
 from ..batch import BatchState
 from ..runner import ModelRunner, PackedLayout
 from ..sampling import chain_verdict
@@ -28,19 +30,19 @@ class Verifier(ABC):
         rows = batch.active_rows()  # [A]
         device = runner.device
         num_draft = draft.num_tokens[rows]  # [A]
-        rows_t = torch.from_numpy(rows).to(device)
+        rows_t = to_device(rows, device)
         chains = torch.cat(
-            [torch.from_numpy(batch.last_token_ids(rows)).to(device)[:, None], draft.token_ids[rows_t]], dim=1
+            [to_device(batch.last_token_ids(rows), device)[:, None], draft.token_ids[rows_t]], dim=1
         )  # [A, K+1]: last committed token, then the draft
         target_logits, cost = self.score(runner, batch, rows, chains, num_draft)  # [A, K+1, V]
         verdict = chain_verdict(
             draft_token_ids=draft.token_ids[rows_t],
-            num_draft_tokens=torch.from_numpy(num_draft).to(device),
+            num_draft_tokens=to_device(num_draft, device),
             target_logits=target_logits,
             draft_probs=None if draft.probs is None else draft.probs[rows_t],
             params=sampling,
-            seeds=torch.from_numpy(batch.seeds[rows]).to(device),
-            first_positions=torch.from_numpy(batch.lengths[rows]).to(device),
+            seeds=to_device(batch.seeds[rows], device),
+            first_positions=to_device(batch.lengths[rows], device),
         )
         return _scatter_rows(verdict, rows_t, batch.num_rows), cost
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..transfer import to_device
+
 from ..types import VerifyCost
 from .base import Verifier, chain_layout
 
@@ -21,7 +23,7 @@ class PaddingFreeVerifier(Verifier):
         layout = chain_layout(batch, rows, chain_lengths)
         slot = np.arange(width)
         grid_rows, grid_cols = np.nonzero(slot[None, :] < chain_lengths[:, None])  # packed order: row by row
-        flat_index = torch.from_numpy(grid_rows * width + grid_cols).to(runner.device)  # [N]
+        flat_index = to_device(grid_rows * width + grid_cols, runner.device)  # [N]
         packed_logits = runner.forward(chains.reshape(-1)[flat_index], layout)  # [N, V]
         logits = packed_logits.new_zeros(num_rows * width, packed_logits.shape[-1])
         logits[flat_index] = packed_logits

@@ -1,0 +1,130 @@
+"""CUDA graphs for a runner's forward passes over bucketed shapes (DESIGN §5).
+
+Invariant: a replay runs exactly the kernels an eager forward would, over static buffers, and
+gives the same logits for the real tokens. A pass of N packed tokens in groups of at most
+``max_group_tokens`` runs the graph of the smallest bucket of N_b >= N tokens (powers of two);
+the N_b - N filler tokens form one extra group on a scratch cache row at position 0, so they
+never touch a real row. Graphs are captured once, in ``capture()``; afterwards nothing is
+captured or compiled again (``captures`` counts them) and a pass that fits no bucket (a long
+prefill) runs eagerly.
+
+Per replay the host gathers all of the pass's integers into one array and copies it into the
+static buffers in one non-blocking transfer (``transfer.to_device``): no synchronisation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .attention import METADATA_KWARG, AttentionMetadata
+from .transfer import to_device
+
+
+class GraphedForward:
+    def __init__(self, runner, max_group_tokens: int, max_tokens: int):
+        self.runner = runner
+        self.max_group_tokens = max_group_tokens
+        self.buckets = [1 << i for i in range(max(1, max_tokens - 1).bit_length() + 1) if (1 << i) >= 1]
+        self.buckets = [b for b in self.buckets if b < max_tokens] + [1 << (max_tokens - 1).bit_length()]
+        self.max_tokens = self.buckets[-1]
+        self.max_groups = min(self.max_tokens, runner.cache.max_rows - 1) + 1  # + the filler group
+        device = runner.device
+        # one int64 buffer: ids, positions, rows [T each]; group rows, first tokens, counts [G each]
+        self._sizes = [self.max_tokens] * 3 + [self.max_groups] * 3
+        self._device = torch.zeros(sum(self._sizes), dtype=torch.int64, device=device)
+        views = torch.split(self._device, self._sizes)
+        self.input_ids, self.positions, self.token_rows, self.group_rows, self.group_first, self.group_counts = views
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captures = 0
+        self._pool = None
+
+    def _metadata(self, num_tokens: int, num_groups: int) -> AttentionMetadata:
+        runner = self.runner
+        return AttentionMetadata(
+            cache=runner.cache,
+            token_rows=self.token_rows[:num_tokens],
+            token_positions=self.positions[:num_tokens],
+            token_group=None,  # only the reference backend reads these, and it does not run in graphs
+            token_slot=None,
+            group_rows=self.group_rows[:num_groups],
+            group_first_token=self.group_first[:num_groups],
+            group_counts=self.group_counts[:num_groups],
+            group_query_positions=None,
+            max_group_tokens=self.max_group_tokens,
+            max_kv_len=runner.cache.max_len,
+            backend=runner.backend,
+        )
+
+    def _groups_for(self, bucket: int) -> int:
+        return min(bucket, self.max_groups - 1) + 1
+
+    def _fill(self, input_ids: torch.Tensor | None, rows, starts, counts, bucket: int) -> None:
+        """Write one pass (real groups, then the filler group) into the static buffers."""
+        num_tokens = int(counts.sum())
+        num_groups = self._groups_for(bucket)
+        scratch = self.runner.cache.max_rows - 1
+        real_groups = len(counts)
+        group_rows = np.full(num_groups, scratch, dtype=np.int64)
+        group_first = np.full(num_groups, num_tokens, dtype=np.int64)
+        group_counts = np.zeros(num_groups, dtype=np.int64)
+        group_rows[:real_groups], group_counts[:real_groups] = rows, counts
+        group_first[:real_groups] = np.cumsum(counts) - counts
+        group_counts[-1] = min(bucket - num_tokens, self.max_group_tokens)  # the filler group
+        token_group = np.repeat(np.arange(real_groups), counts)
+        positions = np.zeros(bucket, dtype=np.int64)
+        positions[:num_tokens] = starts[token_group] + np.arange(num_tokens) - group_first[token_group]
+        token_rows = np.full(bucket, scratch, dtype=np.int64)
+        token_rows[:num_tokens] = rows[token_group]
+        host = np.zeros(sum(self._sizes), dtype=np.int64)
+        offsets = np.cumsum([0] + self._sizes)
+        host[offsets[1] : offsets[1] + bucket] = positions
+        host[offsets[2] : offsets[2] + bucket] = token_rows
+        host[offsets[3] : offsets[3] + num_groups] = group_rows
+        host[offsets[4] : offsets[4] + num_groups] = group_first
+        host[offsets[5] : offsets[5] + num_groups] = group_counts
+        self._device.copy_(to_device(host, self._device.device))
+        if input_ids is not None:
+            self.input_ids[:num_tokens].copy_(input_ids)
+
+    def _run_model(self, bucket: int) -> torch.Tensor:
+        runner = self.runner
+        position_ids = self.positions[:bucket]
+        if runner.max_position_id is not None:
+            position_ids = position_ids.clamp(max=runner.max_position_id - 1)
+        meta = self._metadata(bucket, self._groups_for(bucket))
+        output = runner.model(input_ids=self.input_ids[None, :bucket], position_ids=position_ids[None],
+                              use_cache=False, logits_to_keep=0, **{METADATA_KWARG: meta})
+        return output.logits[0]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per bucket (explicit warm-up; call once, before decoding)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
+                empty = np.zeros(0, dtype=np.int64)
+                self._fill(None, empty, empty, empty, bucket)
+                for _ in range(2):  # compile kernels and create library handles outside the capture
+                    self._run_model(bucket)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    logits = self._run_model(bucket)
+                self._pool = graph.pool() if self._pool is None else self._pool
+                self.graphs[bucket] = (graph, logits)
+                self.captures += 1
+        torch.cuda.current_stream().wait_stream(stream)
+        self.runner._check_every_layer_ran()  # capturing wrote to the scratch row only
+
+    def fits(self, counts: np.ndarray) -> bool:
+        return len(self.graphs) > 0 and int(counts.max()) <= self.max_group_tokens and int(counts.sum()) <= self.max_tokens
+
+    def run(self, input_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        """Replay the bucket's graph for this pass -> logits [N, V] (a view: copy before the next replay)."""
+        num_tokens = int(counts.sum())
+        bucket = next(b for b in self.buckets if b >= num_tokens)
+        self._fill(input_ids, rows, starts, counts, bucket)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:num_tokens]

@@ -1,0 +1,67 @@
+"""CUDA graphs: output identical to Hugging Face greedy decoding, no capture after the warm-up,
+and at most one host synchronisation per decoding step."""
+
+import warnings
+
+import pytest
+import torch
+
+from specdec import generate
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.policies import FixedPolicy
+from specdec.runner import _RUNNERS
+from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
+from tests.tiny import ARCHS, hf_greedy, make_model, perturbed_copy, random_prompts
+
+pytestmark = pytest.mark.cuda
+GRAPHS = dict(attention="fast", cuda_graphs=True)
+
+
+def drafter_of(kind, target):
+    if kind == "model":
+        return ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True)
+    return PromptLookupDrafter()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("drafter_kind", ["model", "lookup"])
+@pytest.mark.parametrize("verifier_class", [PaddedVerifier, PaddingFreeVerifier])
+def test_graphs_give_the_target_greedy_output(arch, drafter_kind, verifier_class):
+    target = make_model(arch, dtype=torch.float32, device="cuda")
+    prompts = random_prompts(8, target.config.vocab_size, seed=4)
+    out = generate(target, prompts, drafter=drafter_of(drafter_kind, target), verifier=verifier_class(),
+                   policy=FixedPolicy(3), max_new_tokens=24, **GRAPHS)
+    assert out.sequences == [hf_greedy(target, p, 24) for p in prompts]
+
+
+def test_no_capture_after_the_warm_up():
+    target = make_model("llama", dtype=torch.float32, device="cuda")
+    drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True)
+    prompts = random_prompts(8, target.config.vocab_size, seed=6)
+    first = generate(target, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
+    target_runner, drafter_runner = _RUNNERS[target]["target"], _RUNNERS[drafter.model]["drafter"]
+    captured = (target_runner.graphs.captures, drafter_runner.graphs.captures)
+    assert captured == (len(target_runner.graphs.buckets), len(drafter_runner.graphs.buckets))
+    again = generate(target, prompts[::-1], drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
+    assert _RUNNERS[target]["target"] is target_runner and _RUNNERS[drafter.model]["drafter"] is drafter_runner
+    assert (target_runner.graphs.captures, drafter_runner.graphs.captures) == captured
+    assert again.sequences == first.sequences[::-1]
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "lookup"])
+def test_one_synchronisation_per_step(drafter_kind):
+    target = make_model("qwen2", dtype=torch.float32, device="cuda")
+    drafter = drafter_of(drafter_kind, target)
+    prompts = random_prompts(8, target.config.vocab_size, seed=7, min_len=2, max_len=2)  # graph-sized prefills
+    kwargs = dict(drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
+    generate(target, prompts, **kwargs)  # warm-up: captures, kernel compilation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = generate(target, prompts, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= out.stats.steps, [str(w.message)[:200] for w in syncs[:5]]
