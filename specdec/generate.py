@@ -23,7 +23,7 @@ from .batch import BatchState
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
-from .runner import ModelRunner, PackedLayout, runner_for
+from .runner import ModelRunner, PackedLayout, resolve_backend, runner_for
 from .stats import GenerationStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
 from .types import Draft, Plan, SamplingParams
@@ -47,8 +47,8 @@ def generate(
     sampling: SamplingParams | None = None,
     eos_token_id: int | list[int] | None = None,
     seed: int | list[int] = 0,
-    attention: str = "reference",
-    cuda_graphs: bool = False,
+    attention: str = "auto",
+    cuda_graphs: bool | str = False,
 ) -> GenerateOutput:
     """Generate from ``target`` for every prompt, speculatively.
 
@@ -56,9 +56,10 @@ def generate(
     policy picks per row); none means plain decoding. eos_token_id: None never stops early; an
     id or a list of ids stops a row after it emits one. seed: an int (request i uses seed + i)
     or one per prompt; a request's output depends only on its own seed, not on its batch.
-    attention: "reference" (plain torch, any device) or "fast" (Triton, CUDA). cuda_graphs:
-    capture the target's verify passes as CUDA graphs (needs attention="fast"); the runner and
-    its graphs are kept with the model and reused by later calls of the same or smaller size.
+    attention: "reference" (plain torch, any device), "fast" (Triton, CUDA) or "auto" (fast on
+    CUDA). cuda_graphs: capture the target's verify passes as CUDA graphs (needs the fast
+    backend; "auto" follows it; off by default for now); the runner and its graphs are kept with
+    the model and reused by later calls of the same or smaller size.
     """
     started = time.perf_counter()
     vocab_size, device = inputs.check_target(target)
@@ -84,6 +85,7 @@ def generate(
         inputs.normalise_eos(eos_token_id, vocab_size),
     )
     max_draft = policy.max_draft_tokens
+    attention, cuda_graphs = resolve_backend(target, attention, cuda_graphs)
     graph_shape = (max_draft + 1, batch.num_rows * (max_draft + 1)) if cuda_graphs else None
     runner = runner_for(target, role="target", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1,
                         attention=attention, graph_shape=graph_shape)

@@ -116,6 +116,21 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
     )
 
 
+FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = False) -> tuple[str, bool]:
+    """"auto" picks the fast Triton attention for a CUDA model in a dtype the kernel takes, and
+    the reference backend otherwise; cuda_graphs="auto" follows the fast backend. Graphs are
+    opt-in for now: one capture failure in the zoo demo is not yet understood (BENCHMARKS.md)."""
+    fast_possible = device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
+    if attention == "auto":
+        attention = "fast" if fast_possible else "reference"
+    if cuda_graphs == "auto":
+        cuda_graphs = attention == "fast"
+    return attention, bool(cuda_graphs)
+
+
 _RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, ModelRunner]]" = weakref.WeakKeyDictionary()
 
 

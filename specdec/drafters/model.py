@@ -20,18 +20,19 @@ from ..transfer import to_device
 
 from .. import noise
 from ..batch import BatchState
-from ..runner import ModelRunner, PackedLayout, check_supported, device_of, runner_for, vocab_size_of
+from ..runner import ModelRunner, PackedLayout, check_supported, device_of, resolve_backend, runner_for, vocab_size_of
 from ..sampling import next_tokens
 from ..types import PAD_ID, Draft, SamplingParams
 from .base import Drafter
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, model, attention: str = "reference", cuda_graphs: bool = False):
+    def __init__(self, model, attention: str = "auto", cuda_graphs: bool | str = False):
+        """attention and cuda_graphs as for generate(): "auto" is the fast kernel with CUDA graphs
+        on a CUDA model, the reference backend elsewhere."""
         check_supported(model)
         self.model = model
-        self.attention = attention
-        self.cuda_graphs = cuda_graphs
+        self.attention, self.cuda_graphs = resolve_backend(model, attention, cuda_graphs)
         self.vocab_size = vocab_size_of(model)
         self._runner: ModelRunner | None = None
         self._attached = None
