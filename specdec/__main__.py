@@ -1,6 +1,7 @@
 """Command line.
 
     python -m specdec demo [--preset cpu|gpu] [--device cuda] [--json FILE] [--prompts FILE]
+    python -m specdec bench [--quick] [--preset gpu] [--device cuda] [--out benchmarks/results]
     python -m specdec zoo build --preset cpu|gpu|tiny [--out DIR] [--force]
     python -m specdec zoo prompts --preset cpu --out prompts.jsonl [--count N] [--tokens T]
 """
@@ -26,6 +27,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-draft-tokens", type=int, default=4)
     demo.add_argument("--zoo-dir", help="build folder (default: $SPECDEC_ZOO_DIR/PRESET or ~/.cache/specdec/zoo/PRESET)")
 
+    bench = commands.add_parser("bench", help="specdec against Hugging Face in one run, on the zoo")
+    bench.add_argument("--preset", default="gpu")
+    bench.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    bench.add_argument("--quick", action="store_true", help="batch 1 and 16, fewer prompts and tokens")
+    bench.add_argument("--batch-sizes", default="1,4,16,64")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--num-draft-tokens", type=int, default=4)
+    bench.add_argument("--dtype", default="auto", help="bfloat16 on CUDA and float32 on CPU by default")
+    bench.add_argument("--no-peers", action="store_true", help="skip the Hugging Face baselines")
+    bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and PNG")
+    bench.add_argument("--zoo-dir")
+
     zoo = commands.add_parser("zoo", help="build the model zoo or export its prompt sets")
     zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
     zoo_build = zoo_commands.add_parser("build", help="train a preset's tokenizer, target and drafters")
@@ -42,8 +55,35 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _bench(args) -> int:
+    import time
+
+    from .bench import BenchSettings, run, write
+
+    settings = BenchSettings(preset=args.preset, device=args.device, num_draft_tokens=args.num_draft_tokens,
+                             max_new_tokens=args.max_new_tokens, peers=not args.no_peers, dtype=args.dtype,
+                             zoo_dir=args.zoo_dir,
+                             batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")))
+    if args.quick:
+        settings.batch_sizes, settings.num_prompts, settings.batch1_prompts = (1, 16), 16, 4
+        settings.max_new_tokens = min(settings.max_new_tokens, 64)
+    result = run(settings)
+    stem = f"bench_{args.preset}_{args.device.split(':')[0]}_{time.strftime('%Y%m%d_%H%M%S')}"
+    for path in write(result, args.out, stem):
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -1,0 +1,198 @@
+"""``python -m specdec bench``: specdec against the peers in one process and one run, on the
+same prompts and models, greedy, every output compared token for token with plain decoding.
+
+Invariant: every figure in the report was measured in this run; tokens/s counts the tokens
+each method returned (identical token counts when outputs match), over wall time with the
+device synchronised; each method runs once to warm up (compile, capture) before it is timed.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+import specdec
+
+from .. import generate
+from ..drafters import ModelDrafter, PromptLookupDrafter
+from ..policies import FixedPolicy
+from ..verifiers import PaddingFreeVerifier
+from ..zoo import build, load
+from ..zoo.prompts import heldout_prompts
+from . import peers
+
+
+@dataclass
+class BenchRow:
+    method: str
+    family: str  # "specdec" or "peer"
+    batch: int
+    tokens: int
+    seconds: float
+    identical: bool
+    agreement: float  # mean fraction of each reference output reproduced before the first difference
+    tau: float | None = None
+    error: str = ""  # a method that failed is reported, and the run goes on
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+@dataclass
+class BenchSettings:
+    preset: str = "gpu"
+    device: str = "cuda"
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    num_prompts: int = 64
+    batch1_prompts: int = 8
+    prompt_tokens: int = 128
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 4
+    peers: bool = True
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU; float32 makes "identical" exact on GPU too
+    zoo_dir: str | None = None
+
+
+def _synchronise(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _ours(target, prompts, batch, drafter, k, settings, eos, graphs) -> tuple[list[list[int]], float, float]:
+    kwargs = dict(drafter=drafter, verifier=PaddingFreeVerifier(), policy=FixedPolicy(k),
+                  max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs)
+    chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    generate(target, chunks[0], **kwargs)  # warm-up: graph capture, kernel compilation
+    _synchronise(settings.device)
+    started = time.perf_counter()
+    outputs = [generate(target, chunk, **kwargs) for chunk in chunks]
+    _synchronise(settings.device)
+    seconds = time.perf_counter() - started
+    sequences = [s for out in outputs for s in out.sequences]
+    steps = sum(r.steps for out in outputs for r in out.stats.requests)
+    return sequences, seconds, sum(map(len, sequences)) / steps
+
+
+def run(settings: BenchSettings, log=print) -> dict:
+    build(settings.preset, out=settings.zoo_dir, device=settings.device)
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if settings.device.startswith("cuda") else "float32")
+    zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device, dtype=getattr(torch, dtype))
+    tokenizer, target, eos = zoo.tokenizer, zoo.target, zoo.tokenizer.eos_token_id
+    records = heldout_prompts(zoo.heldout_texts(), tokenizer, settings.num_prompts, settings.prompt_tokens)
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
+    graphs = settings.device.startswith("cuda")
+    drafters = {"prompt lookup": PromptLookupDrafter()}
+    drafters.update({name: ModelDrafter(model, cuda_graphs=graphs) for name, model in zoo.drafters.items()})
+    smallest = min(zoo.drafters, key=lambda n: zoo.manifest["models"][n]["parameters"]) if zoo.drafters else None
+    k = settings.num_draft_tokens
+    rows: list[BenchRow] = []
+    reference: dict[int, list[list[int]]] = {}
+
+    def compared(method, family, batch, out, seconds, expected, tau=None) -> BenchRow:
+        return BenchRow(method, family, batch, sum(map(len, out)), seconds, expected is None or out == expected,
+                        agreement(out, expected), tau)
+
+    def attempt(method, family, batch, measure) -> BenchRow | None:
+        """Run one method; a failure becomes a row saying so instead of ending the run."""
+        try:
+            return measure()
+        except Exception as error:  # noqa: BLE001 - reported in the results, not swallowed
+            row = BenchRow(method, family, batch, 0, float("nan"), False, float("nan"),
+                           error=f"{type(error).__name__}: {str(error)[:300]}")
+            rows.append(row)
+            log(f"{method:<42} batch {batch:>3}: FAILED {row.error}")
+            return None
+
+    def add(row: BenchRow | None) -> None:
+        if row is None:
+            return
+        rows.append(row)
+        log(f"{row.method:<42} batch {row.batch:>3}: {row.tokens_per_s:10.1f} tok/s"
+            f"{'' if row.tau is None else f', tau {row.tau:.2f}'}, identical: {'yes' if row.identical else 'NO'}")
+
+    for batch in settings.batch_sizes:
+        # batch 1: a few prompts one call at a time; batch B: the prompt set in calls of B
+        chosen = prompts[: settings.batch1_prompts] if batch == 1 else prompts[: max(batch, settings.num_prompts)]
+        name = "specdec plain decoding (k=0)"
+        measured = _ours(target, chosen, batch, None, 0, settings, eos, graphs)
+        plain, seconds, tau = measured
+        reference[batch] = plain
+        add(compared(name, "specdec", batch, plain, seconds, plain, tau))
+        for drafter_name, drafter in drafters.items():
+            name = f"specdec {drafter_name} (k={k})"
+
+            def measure(drafter=drafter, name=name):
+                out, seconds, tau = _ours(target, chosen, batch, drafter, k, settings, eos, graphs)
+                return compared(name, "specdec", batch, out, seconds, plain, tau)
+
+            add(attempt(name, "specdec", batch, measure))
+
+    if settings.peers:
+        chosen, plain = prompts[: settings.batch1_prompts], reference.get(1)
+        runs = [("HF eager generate", {}), ("HF prompt lookup", {"prompt_lookup_num_tokens": k})]
+        if smallest is not None:
+            runs.append((f"HF assisted generation ({smallest})", {"assistant_model": zoo.drafters[smallest]}))
+        for name, kwargs in runs:
+
+            def measure(name=name, kwargs=kwargs):
+                peers.hf_generate_one(target, chosen[0], 8, eos, **kwargs)  # warm-up
+                out, seconds = peers.timed_batch1(target, chosen, settings.max_new_tokens, eos, **kwargs)
+                return compared(name, "peer", 1, out, seconds, plain)
+
+            add(attempt(name, "peer", 1, measure))
+        if settings.device.startswith("cuda"):
+
+            def measure_compiled():
+                with peers.StaticCompiled(target):
+                    for _ in range(2):  # compile and capture before timing
+                        peers.hf_generate_one(target, chosen[0], settings.max_new_tokens, eos)
+                    out, seconds = peers.timed_batch1(target, chosen, settings.max_new_tokens, eos)
+                return compared("HF static cache + torch.compile", "peer", 1, out, seconds, plain)
+
+            add(attempt("HF static cache + torch.compile", "peer", 1, measure_compiled))
+    return {"environment": environment(settings), "settings": asdict(settings), "zoo": zoo.manifest["models"],
+            "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]}
+
+
+def agreement(outputs: list[list[int]], expected: list[list[int]] | None) -> float:
+    """Mean fraction of each expected output reproduced before the first differing token."""
+    if expected is None:
+        return float("nan")
+    fractions = []
+    for got, want in zip(outputs, expected):
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        fractions.append(1.0 if got == want else same / max(len(want), 1))
+    return sum(fractions) / len(fractions)
+
+
+def environment(settings: BenchSettings) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "specdec": specdec.__version__, "command": " ".join(["python -m specdec"] + sys.argv[1:]),
+           "commit": _git_commit(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if settings.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+        env["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+        env["threads"] = torch.get_num_threads()
+    return env
+
+
+def _run(command: list[str]) -> str:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _git_commit() -> str:
+    return _run(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse", "HEAD"]) or "unknown"
