@@ -9,6 +9,7 @@ device synchronised; each method runs once to warm up (compile, capture) before 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -195,4 +196,6 @@ def _run(command: list[str]) -> str:
 
 
 def _git_commit() -> str:
-    return _run(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse", "HEAD"]) or "unknown"
+    """The checkout's commit; $SPECDEC_COMMIT where the tree travelled without its .git."""
+    commit = _run(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse", "HEAD"])
+    return os.environ.get("SPECDEC_COMMIT") or (commit if len(commit) == 40 else "unknown")

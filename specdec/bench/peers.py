@@ -33,21 +33,20 @@ def timed_batch1(model, prompts, max_new_tokens, eos, **kwargs) -> tuple[list[li
 
 
 class StaticCompiled:
-    """Hugging Face decoding with a static cache and the forward compiled in reduce-overhead
-    mode (CUDA graphs), the documented fast path; restores the model afterwards."""
+    """Hugging Face decoding with a static cache; transformers 5 then compiles the decoding
+    step itself (``torch.compile`` in reduce-overhead mode, with CUDA graphs: its documented
+    fast path). Wrapping the forward in another ``torch.compile`` conflicts with those graphs.
+    Restores the model's setting afterwards."""
 
     def __init__(self, model):
         self.model = model
 
     def __enter__(self):
-        self._forward = self.model.forward
         self._cache = self.model.generation_config.cache_implementation
         self.model.generation_config.cache_implementation = "static"
-        self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
         return self
 
     def __exit__(self, *exc):
-        self.model.forward = self._forward
         self.model.generation_config.cache_implementation = self._cache
         torch._dynamo.reset()
         return False
