@@ -14,6 +14,8 @@ static buffers in one non-blocking transfer (``transfer.to_device``): no synchro
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 
@@ -97,9 +99,25 @@ class GraphedForward:
                               use_cache=False, logits_to_keep=0, **{METADATA_KWARG: meta})
         return output.logits[0]
 
+    def release(self) -> None:
+        self.graphs.clear()
+        self._pool = None
+        self.runner = None  # break the runner <-> graphs cycle
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per bucket (explicit warm-up; call once, before decoding)."""
+        """Capture one graph per bucket (explicit warm-up; call once, before decoding).
+
+        The garbage collector is off meanwhile: collecting an old graph during a capture would
+        free its memory pool, which invalidates the capture in progress."""
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            gc.enable()
+
+    def _capture_all(self) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

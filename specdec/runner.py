@@ -145,7 +145,9 @@ def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str 
     runners = _RUNNERS.setdefault(model, {})
     runner = runners.get(role)
     if runner is None or not runner.covers(max_rows, max_len, attention, graph_shape):
-        runners.pop(role, None)  # free the old cache before allocating the new one
+        old = runners.pop(role, None)
+        if old is not None:
+            old.release()  # now, not whenever the garbage collector gets to it (maybe mid-capture)
         runner = ModelRunner(model, max_rows=max_rows, max_len=max_len, attention=attention)
         if graph_shape is not None:
             runner.enable_graphs(*graph_shape)
@@ -187,6 +189,16 @@ class ModelRunner:
         self.graphs = GraphedForward(self, max_group_tokens, max_tokens)
         with self.attached():
             self.graphs.capture()
+
+    def release(self) -> None:
+        """Drop the captured graphs and the cache now. A graph's memory pool freed while another
+        graph is being captured invalidates that capture, so replaced runners are released
+        explicitly rather than left to the cyclic garbage collector."""
+        if self.graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self.graphs.release()
+        self.graphs = None
+        self.cache = KVCache(self.num_layers, 1, 1)
 
     def covers(self, max_rows: int, max_len: int, attention: str, graph_shape: tuple[int, int] | None) -> bool:
         """Whether this runner can serve a call of that size (so its cache and graphs are reused)."""

@@ -65,3 +65,16 @@ def test_one_synchronisation_per_step(drafter_kind):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= out.stats.steps, [str(w.message)[:200] for w in syncs[:5]]
+
+
+def test_a_replaced_runner_is_released_at_once():
+    """Growing a call replaces the model's runner; the old one drops its graphs and cache
+    immediately, so no graph pool is freed later in the middle of another capture."""
+    from specdec.runner import runner_for
+
+    model = make_model("llama", dtype=torch.float32, device="cuda")
+    small = runner_for(model, role="drafter", max_rows=1, max_len=64, attention="fast", graph_shape=(2, 2))
+    assert small.graphs.captures > 0
+    large = runner_for(model, role="drafter", max_rows=8, max_len=64, attention="fast", graph_shape=(2, 16))
+    assert large is not small and small.graphs is None and small.cache.max_rows == 1
+    assert runner_for(model, role="drafter", max_rows=4, max_len=32, attention="fast", graph_shape=(2, 8)) is large
