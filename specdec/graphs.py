@@ -20,15 +20,13 @@ import numpy as np
 import torch
 
 from .attention import METADATA_KWARG, AttentionMetadata
-from .transfer import to_device
 
 
 class GraphedForward:
     def __init__(self, runner, max_group_tokens: int, max_tokens: int):
         self.runner = runner
         self.max_group_tokens = max_group_tokens
-        self.buckets = [1 << i for i in range(max(1, max_tokens - 1).bit_length() + 1) if (1 << i) >= 1]
-        self.buckets = [b for b in self.buckets if b < max_tokens] + [1 << (max_tokens - 1).bit_length()]
+        self.buckets = [1 << i for i in range((max_tokens - 1).bit_length() + 1)]  # powers of two up to >= max
         self.max_tokens = self.buckets[-1]
         self.max_groups = min(self.max_tokens, runner.cache.max_rows - 1) + 1  # + the filler group
         device = runner.device
@@ -85,7 +83,7 @@ class GraphedForward:
         host[offsets[3] : offsets[3] + num_groups] = group_rows
         host[offsets[4] : offsets[4] + num_groups] = group_first
         host[offsets[5] : offsets[5] + num_groups] = group_counts
-        self._device.copy_(to_device(host, self._device.device))
+        self._device.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         if input_ids is not None:
             self.input_ids[:num_tokens].copy_(input_ids)
 

@@ -14,7 +14,6 @@ caller's model still works with Hugging Face's ``generate()`` after ours.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -59,6 +58,11 @@ def vocab_size_of(model: torch.nn.Module) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
+def weights_fingerprint(model: torch.nn.Module) -> tuple:
+    """Changes when the model is moved, cast or given new parameter storage."""
+    return tuple((p.device, p.dtype, p.data_ptr()) for p in model.parameters())
+
+
 def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -82,6 +86,13 @@ def check_supported(model: object) -> None:
         raise UnsupportedModelError(
             f"{name} has layers of kind {kinds}; specdec's attention backends implement full and "
             "sliding-window causal attention only"
+        )
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in ("dynamic", "longrope"):
+        raise UnsupportedModelError(
+            f"{name} uses '{rope_type}' rotary scaling, whose frequencies depend on the longest position in "
+            "the whole forward pass: a packed batch would change each row's output"
         )
     if not getattr(model, "_supports_attention_backend", False):
         raise UnsupportedModelError(
@@ -122,7 +133,7 @@ FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = False) -> tuple[str, bool]:
     """"auto" picks the fast Triton attention for a CUDA model in a dtype the kernel takes, and
     the reference backend otherwise; cuda_graphs="auto" follows the fast backend. Graphs are
-    opt-in for now: one capture failure in the zoo demo is not yet understood (BENCHMARKS.md)."""
+    opt-in until an intermittent capture failure, fixed in e145929, has stayed away (BENCHMARKS.md)."""
     fast_possible = device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
     if attention == "auto":
         attention = "fast" if fast_possible else "reference"
@@ -131,7 +142,13 @@ def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = Fa
     return attention, bool(cuda_graphs)
 
 
-_RUNNERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, ModelRunner]]" = weakref.WeakKeyDictionary()
+RUNNERS_ATTRIBUTE = "_specdec_runners"
+LENGTH_QUANTUM = 256  # cache lengths round up to this, so slightly longer calls reuse the runner
+
+
+def runners_of(model) -> dict:
+    """The runners kept with ``model`` (they live and die with it), by role."""
+    return model.__dict__.setdefault(RUNNERS_ATTRIBUTE, {})
 
 
 def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str = "reference",
@@ -142,7 +159,8 @@ def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str 
     role: "target" or "drafter": a model drafting for itself gets a cache of its own per role.
     graph_shape: (max tokens per group, max tokens per pass) to capture CUDA graphs for, or None.
     """
-    runners = _RUNNERS.setdefault(model, {})
+    runners = runners_of(model)
+    max_len = -(-max_len // LENGTH_QUANTUM) * LENGTH_QUANTUM
     runner = runners.get(role)
     if runner is None or not runner.covers(max_rows, max_len, attention, graph_shape):
         old = runners.pop(role, None)
@@ -174,6 +192,7 @@ class ModelRunner:
         self.max_position_id = getattr(text_config, "max_position_embeddings", None)
         self.max_rows = max_rows
         self.attention = attention
+        self.weights_fingerprint = weights_fingerprint(model)
         self.cache = KVCache(self.num_layers, max_rows + 1, max_len)  # + a scratch row for graph filler
         self.backend = BACKENDS[attention]
         self.graphs = None
@@ -204,6 +223,8 @@ class ModelRunner:
         """Whether this runner can serve a call of that size (so its cache and graphs are reused)."""
         if self.max_rows < max_rows or self.cache.max_len < max_len or self.attention != attention:
             return False
+        if self.weights_fingerprint != weights_fingerprint(self.model):
+            return False  # moved, cast or reloaded since: graphs would replay over stale weights
         if graph_shape is None:
             return self.graphs is None
         return (self.graphs is not None and self.graphs.max_group_tokens >= graph_shape[0]

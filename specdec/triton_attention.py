@@ -31,7 +31,7 @@ def _packed_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     group = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1).to(tl.int64)
     m_block = tl.program_id(2)
     count = tl.load(group_counts_ptr + group)
     if m_block * BLOCK_M < count * HEADS_PER_KV:
@@ -105,7 +105,8 @@ def packed_attention(
     heads_per_kv = num_heads // num_kv_heads
     if query.stride(-1) != 1:
         query = query.contiguous()
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    # zeros: graph filler slots beyond a group's processed rows stay finite
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     rows_per_group = max_group_tokens * heads_per_kv
     block_m = 16 if rows_per_group <= 16 else (32 if rows_per_group <= 32 else 64)
     block_d = max(16, triton.next_power_of_2(head_dim))

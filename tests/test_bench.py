@@ -15,7 +15,9 @@ def test_bench_smoke(tiny_zoo_root, tmp_path, capsys):
     rows = result["rows"]
     ours = [r for r in rows if r["family"] == "specdec"]
     assert {r["batch"] for r in ours} == {1, 16}
-    assert all(r["identical"] and not r["error"] for r in ours)  # float32 on CPU: exact
+    assert all(not r["error"] for r in ours)
+    # plain decoding is the reference; everything else equals it exactly (float32 on CPU)
+    assert all(r["identical"] is None if r["method"].startswith("specdec plain") else r["identical"] for r in ours)
     peer_names = {r["method"] for r in rows if r["family"] == "peer"}
     assert {"HF eager generate", "HF prompt lookup"} <= peer_names
     assert any(name.startswith("HF assisted generation") for name in peer_names)

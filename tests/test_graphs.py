@@ -9,7 +9,7 @@ import torch
 from specdec import generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
-from specdec.runner import _RUNNERS
+from specdec.runner import runners_of
 from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
 from tests.tiny import ARCHS, hf_greedy, make_model, perturbed_copy, random_prompts
 
@@ -39,11 +39,12 @@ def test_no_capture_after_the_warm_up():
     drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True)
     prompts = random_prompts(8, target.config.vocab_size, seed=6)
     first = generate(target, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
-    target_runner, drafter_runner = _RUNNERS[target]["target"], _RUNNERS[drafter.model]["drafter"]
+    drafter_role = f"drafter-{id(drafter)}"
+    target_runner, drafter_runner = runners_of(target)["target"], runners_of(drafter.model)[drafter_role]
     captured = (target_runner.graphs.captures, drafter_runner.graphs.captures)
     assert captured == (len(target_runner.graphs.buckets), len(drafter_runner.graphs.buckets))
     again = generate(target, prompts[::-1], drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
-    assert _RUNNERS[target]["target"] is target_runner and _RUNNERS[drafter.model]["drafter"] is drafter_runner
+    assert runners_of(target)["target"] is target_runner and runners_of(drafter.model)[drafter_role] is drafter_runner
     assert (target_runner.graphs.captures, drafter_runner.graphs.captures) == captured
     assert again.sequences == first.sequences[::-1]
 

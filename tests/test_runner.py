@@ -90,3 +90,48 @@ def test_model_whose_layer_skips_the_attention_interface():
     model.model.layers[1].self_attn.forward = no_interface
     with pytest.raises(UnsupportedModelError, match="1 of its 2 layers"):
         generate(model, [[1, 2, 3]], max_new_tokens=2)
+
+
+def test_runners_live_and_die_with_their_model():
+    import gc
+    import weakref
+
+    model = make_model("llama")
+    generate(model, [[1, 2, 3]], max_new_tokens=3)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_cast_model_gets_a_new_runner():
+    from specdec.runner import runners_of
+
+    model = make_model("llama")
+    first = generate(model, [[1, 2, 3]], max_new_tokens=6).sequences
+    runner = runners_of(model)["target"]
+    model.float()
+    again = generate(model, [[1, 2, 3]], max_new_tokens=6).sequences
+    assert runners_of(model)["target"] is not runner and again == first
+
+
+def test_rotary_scaling_that_depends_on_the_batch_is_refused():
+    model = make_model("llama")
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModelError, match="'dynamic' rotary scaling"):
+        generate(model, [[1, 2]], max_new_tokens=2)
+
+
+def test_two_drafters_on_one_model_keep_their_own_runners():
+    """Otherwise a second drafter with other settings would release the first one's cache."""
+    from specdec.drafters import ModelDrafter
+    from specdec.runner import runners_of
+    from tests.tiny import AlternatingPolicy
+
+    target = make_model("llama")
+    shared = make_model("llama", seed=3)
+    pair = [ModelDrafter(shared), ModelDrafter(shared)]
+    out = generate(target, [[1, 2, 3, 4], [5, 6]], drafter=pair, policy=AlternatingPolicy(3), max_new_tokens=10)
+    assert out.sequences == [hf_greedy(target, p, 10) for p in ([1, 2, 3, 4], [5, 6])]
+    drafter_runners = [r for role, r in runners_of(shared).items() if role.startswith("drafter")]
+    assert len(drafter_runners) == 2 and drafter_runners[0] is not drafter_runners[1]

@@ -26,8 +26,10 @@ def markdown(result: dict) -> str:
         base = plain.get(row["batch"])
         ratio = f"{row['tokens_per_s'] / base:.2f}x" if base else "-"
         tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
+        identical = {True: "yes", False: "no", None: "reference"}[row["identical"]]
+        agreed = "-" if row["agreement"] != row["agreement"] else f"{row['agreement']:.0%}"
         lines.append(f"| {row['method']} | {row['batch']} | {row['tokens_per_s']:.1f} | {ratio} | {tau} | "
-                     f"{'yes' if row['identical'] else 'no'} | {row['agreement']:.0%} |")
+                     f"{identical} | {agreed} |")
     return "\n".join(lines) + "\n"
 
 
