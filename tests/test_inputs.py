@@ -151,7 +151,6 @@ class BrokenPolicy(FixedPolicy):
         self.bad = (drafter_index, num_draft_tokens)
 
     def plan(self, batch, num_drafters):
-        import numpy as np
 
         plan = super().plan(batch, num_drafters)
         plan.drafter_index[:] = self.bad[0]

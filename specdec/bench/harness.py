@@ -8,7 +8,6 @@ device synchronised; each method runs once to warm up (compile, capture) before 
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess

@@ -15,7 +15,6 @@ Cost: on the host, O(rows x length x n) comparisons per step, vectorised over ro
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from ..transfer import to_device
 from numpy.lib.stride_tricks import sliding_window_view

@@ -8,7 +8,6 @@ the [A, K+1] grid the acceptance rule reads. Verdicts equal the padded verifier'
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from ..transfer import to_device
 
