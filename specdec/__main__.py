@@ -1,7 +1,7 @@
 """Command line.
 
     python -m specdec demo [--preset cpu|gpu] [--device cuda] [--json FILE] [--prompts FILE]
-    python -m specdec bench [--quick] [--preset gpu] [--device cuda] [--out benchmarks/results]
+    python -m specdec bench [--quick] [--parts zoo,bandwidth] [--preset gpu] [--out benchmarks/results]
     python -m specdec zoo build --preset cpu|gpu|tiny [--out DIR] [--force]
     python -m specdec zoo prompts --preset cpu --out prompts.jsonl [--count N] [--tokens T]
 """
@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-draft-tokens", type=int, default=4)
     bench.add_argument("--dtype", default="auto", help="bfloat16 on CUDA and float32 on CPU by default")
     bench.add_argument("--no-peers", action="store_true", help="skip the Hugging Face baselines")
+    bench.add_argument("--no-compile", action="store_true", help="ours without torch.compile inside the graphs")
+    bench.add_argument("--parts", default="zoo,bandwidth",
+                       help="zoo (the model zoo against the peers), bandwidth (1B/8B step times); comma-separated")
     bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and PNG")
     bench.add_argument("--zoo-dir")
 
@@ -68,11 +71,13 @@ def _bench(args) -> int:
 
     settings = BenchSettings(preset=args.preset, device=args.device, num_draft_tokens=args.num_draft_tokens,
                              max_new_tokens=args.max_new_tokens, peers=not args.no_peers, dtype=args.dtype,
-                             zoo_dir=args.zoo_dir,
+                             zoo_dir=args.zoo_dir, compile=False if args.no_compile else None,
+                             parts=tuple(args.parts.split(",")),
                              batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")))
     if args.quick:
         settings.batch_sizes, settings.num_prompts, settings.batch1_prompts = (1, 16), 16, 4
         settings.max_new_tokens = min(settings.max_new_tokens, 64)
+        settings.bandwidth_shapes = ("llama-8B",)
     result = run(settings)
     stem = f"bench_{args.preset}_{args.device.split(':')[0]}_{time.strftime('%Y%m%d_%H%M%S')}"
     for path in write(result, args.out, stem):

@@ -102,6 +102,10 @@ def fast_attention(
     from .triton_attention import packed_attention
 
     layer_idx = module.layer_idx
+    if torch.compiler.is_compiling():  # torch.compile sees one opaque op (compiled_attention.py)
+        from .compiled_attention import cached_packed_attention
+
+        return cached_packed_attention(query, key, value, meta, layer_idx, scaling, sliding_window)
     meta.cache.write(layer_idx, meta.token_rows, meta.token_positions, key[0], value[0])
     output = packed_attention(
         query[0].transpose(0, 1),  # [N, H, D]

@@ -49,6 +49,7 @@ def generate(
     seed: int | list[int] = 0,
     attention: str = "auto",
     cuda_graphs: bool | str = False,
+    compile: bool = False,
 ) -> GenerateOutput:
     """Generate from ``target`` for every prompt, speculatively.
 
@@ -59,7 +60,9 @@ def generate(
     attention: "reference" (plain torch, any device), "fast" (Triton, CUDA) or "auto" (fast on
     CUDA). cuda_graphs: capture the target's verify passes as CUDA graphs (needs the fast
     backend; "auto" follows it; off by default for now); the runner and its graphs are kept with
-    the model and reused by later calls of the same or smaller size.
+    the model and reused by later calls of the same or smaller size. compile: fuse the small
+    kernels of the graphed passes with torch.compile before capture (needs cuda_graphs; slower
+    first call, faster steps; float32 results may differ from the eager kernels' in the last bits).
     """
     started = time.perf_counter()
     vocab_size, device = inputs.check_target(target)
@@ -85,10 +88,10 @@ def generate(
         inputs.normalise_eos(eos_token_id, vocab_size),
     )
     max_draft = policy.max_draft_tokens
-    attention, cuda_graphs = resolve_backend(target, attention, cuda_graphs)
+    attention, cuda_graphs, compile = resolve_backend(target, attention, cuda_graphs, compile)
     graph_shape = (max_draft + 1, batch.num_rows * (max_draft + 1)) if cuda_graphs else None
     runner = runner_for(target, role="target", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1,
-                        attention=attention, graph_shape=graph_shape)
+                        attention=attention, graph_shape=graph_shape, compile=compile)
     recorder = StatsRecorder(batch.num_rows, max_draft)
     timer = PhaseTimer(device)
     with contextlib.ExitStack() as stack:  # unwinds in reverse: drafters finish before the target detaches
@@ -102,7 +105,7 @@ def generate(
         while not batch.finished.all():
             plan = _bounded(_checked(policy.plan(batch, len(drafters)), policy, batch, len(drafters)), batch)
             with timer.phase("draft"):
-                draft = _propose(drafters, batch, plan, device, vocab_size)
+                draft = _propose(drafters, batch, plan, device, vocab_size, timer)
             with timer.phase("verify"):
                 verdict, cost = verifier.verify(runner, batch, draft, sampling)
             rows = batch.active_rows()
@@ -122,6 +125,7 @@ def generate(
                 draft_time_s=times.get("draft", 0.0),
                 verify_time_s=times.get("verify", 0.0),
                 cost=cost,
+                drafter_time_s=np.array([times.get(f"drafter {i}", 0.0) for i in range(len(drafters))]),
             )
             recorder.record(record, time.perf_counter() - started, batch.finished)
             policy.observe(record)
@@ -164,8 +168,12 @@ def _bounded(plan: Plan, batch: BatchState) -> Plan:
     return Plan(drafter_index=plan.drafter_index, num_draft_tokens=np.minimum(plan.num_draft_tokens, limit))
 
 
-def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: torch.device, vocab_size: int) -> Draft:
+def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: torch.device, vocab_size: int,
+             timer: PhaseTimer) -> Draft:
     if plan.max_draft_tokens == 0:
         return empty_draft(batch.num_rows, device)
-    drafts = [d.propose(batch, np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)) for i, d in enumerate(drafters)]
+    drafts = []
+    for i, d in enumerate(drafters):
+        with timer.phase(f"drafter {i}"):  # nested in "draft": each drafter's share, for policies
+            drafts.append(d.propose(batch, np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)))
     return merge_drafts(drafts, plan.drafter_index, vocab_size)

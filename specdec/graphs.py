@@ -8,6 +8,12 @@ never touch a real row. Graphs are captured once, in ``capture()``; afterwards n
 captured or compiled again (``captures`` counts them) and a pass that fits no bucket (a long
 prefill) runs eagerly.
 
+With ``compile=True`` the passes are first compiled with ``torch.compile`` (dynamic token count,
+so one compilation serves every bucket; attention stays our Triton kernel, an opaque custom op),
+which fuses the dozens of small kernels per layer (normalisation, rotary embedding,
+activations, residual adds) that otherwise dominate a small-batch step; the graphs then replay
+the compiled kernels. Compilation also happens only in ``capture()``.
+
 Per replay the host gathers all of the pass's integers into one array and copies it into the
 static buffers in one non-blocking transfer (``transfer.to_device``): no synchronisation.
 """
@@ -22,9 +28,14 @@ import torch
 from .attention import METADATA_KWARG, AttentionMetadata
 
 
+RECOMPILE_LIMIT = 64  # compiled variants per model class (target and drafters share a forward's code)
+
+
 class GraphedForward:
-    def __init__(self, runner, max_group_tokens: int, max_tokens: int):
+    def __init__(self, runner, max_group_tokens: int, max_tokens: int, compile: bool = False):
         self.runner = runner
+        self.compiled = compile
+        self._model = torch.compile(runner.model, dynamic=True) if compile else runner.model
         self.max_group_tokens = max_group_tokens
         self.buckets = [1 << i for i in range((max_tokens - 1).bit_length() + 1)]  # powers of two up to >= max
         self.max_tokens = self.buckets[-1]
@@ -93,13 +104,14 @@ class GraphedForward:
         if runner.max_position_id is not None:
             position_ids = position_ids.clamp(max=runner.max_position_id - 1)
         meta = self._metadata(bucket, self._groups_for(bucket))
-        output = runner.model(input_ids=self.input_ids[None, :bucket], position_ids=position_ids[None],
-                              use_cache=False, logits_to_keep=0, **{METADATA_KWARG: meta})
+        output = self._model(input_ids=self.input_ids[None, :bucket], position_ids=position_ids[None],
+                             use_cache=False, logits_to_keep=0, **{METADATA_KWARG: meta})
         return output.logits[0]
 
     def release(self) -> None:
         self.graphs.clear()
         self._pool = None
+        self._model = None
         self.runner = None  # break the runner <-> graphs cycle
 
     @torch.inference_mode()
@@ -111,9 +123,25 @@ class GraphedForward:
         gc.collect()
         gc.disable()
         try:
-            self._capture_all()
+            if self.compiled:
+                self._allocate_cache()
+                limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+                with torch._dynamo.config.patch(recompile_limit=limit):
+                    self._capture_all()
+            else:
+                self._capture_all()
         finally:
             gc.enable()
+
+    def _allocate_cache(self) -> None:
+        """One eager pass on the scratch row, so the cache exists before compilation traces it."""
+        empty = np.zeros(0, dtype=np.int64)
+        self._fill(None, empty, empty, empty, 1)
+        model, self._model = self._model, self.runner.model
+        try:
+            self._run_model(1)
+        finally:
+            self._model = model
 
     def _capture_all(self) -> None:
         stream = torch.cuda.Stream()

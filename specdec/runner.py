@@ -130,16 +130,24 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = False) -> tuple[str, bool]:
-    """"auto" picks the fast Triton attention for a CUDA model in a dtype the kernel takes, and
-    the reference backend otherwise; cuda_graphs="auto" follows the fast backend. Graphs are
-    opt-in until an intermittent capture failure, fixed in e145929, has stayed away (BENCHMARKS.md)."""
+def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = False,
+                    compile: bool = False) -> tuple[str, bool, bool]:
+    """-> (attention, cuda_graphs, compile). "auto" picks the fast Triton attention for a CUDA
+    model in a dtype the kernel takes, and the reference backend otherwise; cuda_graphs="auto"
+    follows the fast backend. Graphs are opt-in until an intermittent capture failure, fixed in
+    e145929, has stayed away (BENCHMARKS.md). compile fuses the small kernels of the graphed
+    passes with torch.compile, so it needs graphs."""
     fast_possible = device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
     if attention == "auto":
         attention = "fast" if fast_possible else "reference"
     if cuda_graphs == "auto":
         cuda_graphs = attention == "fast"
-    return attention, bool(cuda_graphs)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
+    if compile and not cuda_graphs:
+        raise ValueError("compile=True fuses the kernels inside the CUDA graphs: pass cuda_graphs=True as well "
+                         "(on a CUDA model with attention='fast' or 'auto')")
+    return attention, bool(cuda_graphs), compile
 
 
 RUNNERS_ATTRIBUTE = "_specdec_runners"
@@ -152,23 +160,24 @@ def runners_of(model) -> dict:
 
 
 def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str = "reference",
-               graph_shape: tuple[int, int] | None = None) -> "ModelRunner":
+               graph_shape: tuple[int, int] | None = None, compile: bool = False) -> "ModelRunner":
     """A runner for ``model`` big enough for the call, reused across calls while it fits (its
     cache and captured graphs stay allocated as long as the model lives).
 
     role: "target" or "drafter": a model drafting for itself gets a cache of its own per role.
     graph_shape: (max tokens per group, max tokens per pass) to capture CUDA graphs for, or None.
+    compile: compile the graphed passes with torch.compile before capturing them.
     """
     runners = runners_of(model)
     max_len = -(-max_len // LENGTH_QUANTUM) * LENGTH_QUANTUM
     runner = runners.get(role)
-    if runner is None or not runner.covers(max_rows, max_len, attention, graph_shape):
+    if runner is None or not runner.covers(max_rows, max_len, attention, graph_shape, compile):
         old = runners.pop(role, None)
         if old is not None:
             old.release()  # now, not whenever the garbage collector gets to it (maybe mid-capture)
         runner = ModelRunner(model, max_rows=max_rows, max_len=max_len, attention=attention)
         if graph_shape is not None:
-            runner.enable_graphs(*graph_shape)
+            runner.enable_graphs(*graph_shape, compile=compile)
         runners[role] = runner
     return runner
 
@@ -198,14 +207,15 @@ class ModelRunner:
         self.graphs = None
         self._checked_layers = False
 
-    def enable_graphs(self, max_group_tokens: int, max_tokens: int) -> None:
+    def enable_graphs(self, max_group_tokens: int, max_tokens: int, compile: bool = False) -> None:
         """Capture CUDA graphs for passes of up to ``max_tokens`` tokens in groups of at most
-        ``max_group_tokens`` (the explicit warm-up; passes that do not fit run eagerly)."""
+        ``max_group_tokens`` (the explicit warm-up; passes that do not fit run eagerly), after
+        compiling those passes with torch.compile when ``compile``."""
         from .graphs import GraphedForward
 
         if self.device.type != "cuda" or self.attention != "fast":
             raise ValueError("CUDA graphs need a CUDA model and attention='fast'")
-        self.graphs = GraphedForward(self, max_group_tokens, max_tokens)
+        self.graphs = GraphedForward(self, max_group_tokens, max_tokens, compile=compile)
         with self.attached():
             self.graphs.capture()
 
@@ -219,7 +229,8 @@ class ModelRunner:
         self.graphs = None
         self.cache = KVCache(self.num_layers, 1, 1)
 
-    def covers(self, max_rows: int, max_len: int, attention: str, graph_shape: tuple[int, int] | None) -> bool:
+    def covers(self, max_rows: int, max_len: int, attention: str, graph_shape: tuple[int, int] | None,
+               compile: bool = False) -> bool:
         """Whether this runner can serve a call of that size (so its cache and graphs are reused)."""
         if self.max_rows < max_rows or self.cache.max_len < max_len or self.attention != attention:
             return False
@@ -228,7 +239,7 @@ class ModelRunner:
         if graph_shape is None:
             return self.graphs is None
         return (self.graphs is not None and self.graphs.max_group_tokens >= graph_shape[0]
-                and self.graphs.max_tokens >= graph_shape[1])
+                and self.graphs.max_tokens >= graph_shape[1] and self.graphs.compiled == compile)
 
     @contextlib.contextmanager
     def attached(self) -> Iterator["ModelRunner"]:

@@ -25,3 +25,36 @@ def test_bench_smoke(tiny_zoo_root, tmp_path, capsys):
     assert result["environment"]["commit"] and result["environment"]["command"].startswith("python -m specdec")
     assert (tmp_path / json_path.with_suffix(".png").name).stat().st_size > 1000
     assert "| method | batch | tok/s |" in json_path.with_suffix(".md").read_text()
+    assert {t["target"].split(" ")[0] for t in result["targets"]} >= {"specdec", "best"}
+
+
+def _row(method, batch, tokens_per_s, family="specdec", identical=True):
+    return {"method": method, "family": family, "batch": batch, "tokens_per_s": tokens_per_s, "error": "",
+            "identical": identical}
+
+
+def test_targets_report_each_ratio_and_whether_it_is_met():
+    from specdec.bench.report import targets
+
+    result = {
+        "rows": [
+            _row("specdec plain decoding (k=0)", 1, 100.0, identical=None),
+            _row("specdec d-small (k=4)", 1, 260.0),
+            _row("specdec plain decoding (k=0)", 16, 1000.0, identical=None),
+            _row("specdec d-small (k=4)", 16, 1250.0),
+            _row("HF assisted generation (d-small)", 1, 50.0, family="peer", identical=False),
+            _row("HF static cache + torch.compile", 1, 120.0, family="peer"),
+        ],
+        "bandwidth": {"rows": [
+            {"shape": "llama-8B", "batch": 1, "mode": "specdec CUDA graphs", "step_ms": 5.0, "fraction_of_floor": 0.8},
+            {"shape": "llama-8B", "batch": 1, "mode": "HF static cache + torch.compile", "step_ms": 6.0,
+             "fraction_of_floor": 0.66},
+        ]},
+    }
+    assisted, static, sixteen, floor, faster = targets(result)
+    assert "assisted" in assisted["target"] and assisted["ratio"] == 260.0 / 50.0 and assisted["met"]
+    assert "static" in static["target"] and static["ratio"] == 260.0 / 120.0 and static["met"]
+    assert "batch 16" in sixteen["target"] and sixteen["ratio"] == 1.25 and not sixteen["met"]
+    assert floor["met"] and faster["ratio"] == 6.0 / 5.0 and faster["met"]
+    result["rows"][1]["identical"] = False  # fast but not lossless: the target is not met
+    assert not targets(result)[0]["met"]

@@ -79,3 +79,23 @@ def test_a_replaced_runner_is_released_at_once():
     large = runner_for(model, role="drafter", max_rows=8, max_len=64, attention="fast", graph_shape=(2, 16))
     assert large is not small and small.graphs is None and small.cache.max_rows == 1
     assert runner_for(model, role="drafter", max_rows=4, max_len=32, attention="fast", graph_shape=(2, 8)) is large
+
+
+def test_compiled_graphs_give_the_target_greedy_output_and_never_recompile():
+    """torch.compile inside the graphs: the same greedy output as Hugging Face (float32), and a
+    second call neither compiles nor captures anything."""
+    from torch._dynamo.utils import counters
+
+    target = make_model("llama", dtype=torch.float32, device="cuda")
+    drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True, compile=True)
+    prompts = random_prompts(8, target.config.vocab_size, seed=9)
+    kwargs = dict(drafter=drafter, policy=FixedPolicy(3), max_new_tokens=24, compile=True, **GRAPHS)
+    first = generate(target, prompts, **kwargs)
+    assert first.sequences == [hf_greedy(target, p, 24) for p in prompts]
+    target_runner = runners_of(target)["target"]
+    assert target_runner.graphs.compiled
+    compiled_graphs, captures = counters["stats"]["unique_graphs"], target_runner.graphs.captures
+    assert compiled_graphs > 0
+    again = generate(target, prompts[::-1], **kwargs)
+    assert again.sequences == first.sequences[::-1]
+    assert counters["stats"]["unique_graphs"] == compiled_graphs and target_runner.graphs.captures == captures

@@ -179,3 +179,10 @@ def test_chunked_attention_models_are_refused():
     model.config.layer_types = ["chunked_attention", "full_attention"]
     with pytest.raises(UnsupportedModelError, match="chunked_attention"):
         generate(model, [[1, 2]], max_new_tokens=2)
+
+
+def test_compile_without_cuda_graphs(target):
+    with pytest.raises(ValueError, match="cuda_graphs=True"):
+        generate(target, [[1, 2, 3]], compile=True)
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        generate(target, [[1, 2, 3]], compile="yes")

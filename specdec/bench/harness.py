@@ -60,6 +60,9 @@ class BenchSettings:
     peers: bool = True
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU; float32 makes "identical" exact on GPU too
     zoo_dir: str | None = None
+    compile: bool | None = None  # ours with torch.compile inside the CUDA graphs; None: on CUDA
+    parts: tuple[str, ...] = ("zoo", "bandwidth")  # bandwidth: random 1B/8B Llama step times (CUDA only)
+    bandwidth_shapes: tuple[str, ...] = ("llama-1B", "llama-8B")
 
 
 def _synchronise(device: str) -> None:
@@ -67,9 +70,9 @@ def _synchronise(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _ours(target, prompts, batch, drafter, k, settings, eos, graphs) -> tuple[list[list[int]], float, float]:
+def _ours(target, prompts, batch, drafter, k, settings, eos, graphs, compiled) -> tuple[list[list[int]], float, float]:
     kwargs = dict(drafter=drafter, verifier=PaddingFreeVerifier(), policy=FixedPolicy(k),
-                  max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs)
+                  max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs, compile=compiled)
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     # warm up on the call with the longest prompt: it sizes the caches and graphs, so nothing is
     # allocated or captured inside the timed window
@@ -85,6 +88,25 @@ def _ours(target, prompts, batch, drafter, k, settings, eos, graphs) -> tuple[li
 
 
 def run(settings: BenchSettings, log=print) -> dict:
+    """Every part the settings name, in one process; one result dictionary."""
+    unknown = set(settings.parts) - {"zoo", "bandwidth"}
+    if unknown:
+        raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth")
+    result = {"environment": environment(settings), "settings": asdict(settings), "rows": []}
+    if "zoo" in settings.parts:
+        result.update(run_zoo(settings, log))
+    if "bandwidth" in settings.parts:
+        if settings.device.startswith("cuda"):
+            from . import bandwidth
+
+            result["bandwidth"] = bandwidth.run(settings.bandwidth_shapes, log=log)
+        else:
+            log("bandwidth part skipped: it measures CUDA step times")
+    return result
+
+
+def run_zoo(settings: BenchSettings, log=print) -> dict:
+    """specdec and the peers on the model zoo -> {"zoo": manifest models, "rows": [...]}."""
     build(settings.preset, out=settings.zoo_dir, device=settings.device)
     dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if settings.device.startswith("cuda") else "float32")
     zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device, dtype=getattr(torch, dtype))
@@ -92,8 +114,9 @@ def run(settings: BenchSettings, log=print) -> dict:
     records = heldout_prompts(zoo.heldout_texts(), tokenizer, settings.num_prompts, settings.prompt_tokens)
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
     graphs = settings.device.startswith("cuda")
+    compiled = graphs if settings.compile is None else settings.compile
     drafters = {"prompt lookup": PromptLookupDrafter()}
-    drafters.update({name: ModelDrafter(model, cuda_graphs=graphs) for name, model in zoo.drafters.items()})
+    drafters.update({name: ModelDrafter(model, cuda_graphs=graphs, compile=compiled) for name, model in zoo.drafters.items()})
     smallest = min(zoo.drafters, key=lambda n: zoo.manifest["models"][n]["parameters"]) if zoo.drafters else None
     k = settings.num_draft_tokens
     rows: list[BenchRow] = []
@@ -127,7 +150,7 @@ def run(settings: BenchSettings, log=print) -> dict:
         measured = {}
 
         def measure_plain():
-            measured["plain"], seconds, tau = _ours(target, chosen, batch, None, 0, settings, eos, graphs)
+            measured["plain"], seconds, tau = _ours(target, chosen, batch, None, 0, settings, eos, graphs, compiled)
             return compared("specdec plain decoding (k=0)", "specdec", batch, measured["plain"], seconds, None, tau)
 
         add(attempt("specdec plain decoding (k=0)", "specdec", batch, measure_plain))
@@ -138,7 +161,7 @@ def run(settings: BenchSettings, log=print) -> dict:
             name = f"specdec {drafter_name} (k={k})"
 
             def measure(drafter=drafter, name=name):
-                out, seconds, tau = _ours(target, chosen, batch, drafter, k, settings, eos, graphs)
+                out, seconds, tau = _ours(target, chosen, batch, drafter, k, settings, eos, graphs, compiled)
                 return compared(name, "specdec", batch, out, seconds, plain, tau)
 
             add(attempt(name, "specdec", batch, measure))
@@ -159,16 +182,18 @@ def run(settings: BenchSettings, log=print) -> dict:
         if settings.device.startswith("cuda"):
 
             def measure_compiled():
-                longest = max(chosen, key=len)  # the static cache keeps the largest size it has seen
-                with peers.StaticCompiled(target):
+                longest = max(chosen, key=len)
+                static = peers.StaticCompiled(target, max_cache_len=len(longest) + settings.max_new_tokens)
+                try:
                     for _ in range(2):  # compile and capture before timing
-                        peers.hf_generate_one(target, longest, settings.max_new_tokens, eos)
-                    out, seconds = peers.timed_batch1(target, chosen, settings.max_new_tokens, eos)
+                        static.generate_one(longest, settings.max_new_tokens, eos)
+                    out, seconds = static.timed_batch1(chosen, settings.max_new_tokens, eos)
+                finally:
+                    static.close()
                 return compared("HF static cache + torch.compile", "peer", 1, out, seconds, plain)
 
             add(attempt("HF static cache + torch.compile", "peer", 1, measure_compiled))
-    return {"environment": environment(settings), "settings": asdict(settings), "zoo": zoo.manifest["models"],
-            "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]}
+    return {"zoo": zoo.manifest["models"], "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]}
 
 
 def agreement(outputs: list[list[int]], expected: list[list[int]] | None) -> float:

@@ -7,6 +7,7 @@ the only size Hugging Face supports for them.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -21,32 +22,41 @@ def hf_generate_one(model, prompt: list[int], max_new_tokens: int, eos: int | No
 
 def timed_batch1(model, prompts, max_new_tokens, eos, **kwargs) -> tuple[list[list[int]], float]:
     """Each prompt alone; returns the outputs and the total seconds (device synchronised)."""
-    outputs = []
-    if model.device.type == "cuda":
+    return _timed(lambda prompt: hf_generate_one(model, prompt, max_new_tokens, eos, **kwargs), prompts, model.device)
+
+
+def _timed(generate_one, prompts, device: torch.device) -> tuple[list[list[int]], float]:
+    if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
-    for prompt in prompts:
-        outputs.append(hf_generate_one(model, prompt, max_new_tokens, eos, **kwargs))
-    if model.device.type == "cuda":
+    outputs = [generate_one(prompt) for prompt in prompts]
+    if device.type == "cuda":
         torch.cuda.synchronize()
     return outputs, time.perf_counter() - started
 
 
 class StaticCompiled:
-    """Hugging Face decoding with a static cache; transformers 5 then compiles the decoding
-    step itself (``torch.compile`` in reduce-overhead mode, with CUDA graphs: its documented
-    fast path). Wrapping the forward in another ``torch.compile`` conflicts with those graphs.
-    Restores the model's setting afterwards."""
+    """Hugging Face decoding with a static cache, which transformers 5 compiles by itself
+    (``torch.compile`` in reduce-overhead mode, with CUDA graphs: its documented fast path).
 
-    def __init__(self, model):
+    One ``StaticCache`` of a fixed size serves every call, reset in between: a fresh cache per
+    call would put the compiled step's static inputs at new addresses and recompile it each
+    call. Wrapping the forward in another ``torch.compile`` conflicts with those graphs."""
+
+    def __init__(self, model, max_cache_len: int):
+        from transformers import StaticCache
+
         self.model = model
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
 
-    def __enter__(self):
-        self._cache = self.model.generation_config.cache_implementation
-        self.model.generation_config.cache_implementation = "static"
-        return self
+    def generate_one(self, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+        self.cache.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # `past_key_values` is named `cache` from 5.2x
+            return hf_generate_one(self.model, prompt, max_new_tokens, eos, past_key_values=self.cache)
 
-    def __exit__(self, *exc):
-        self.model.generation_config.cache_implementation = self._cache
+    def timed_batch1(self, prompts, max_new_tokens, eos) -> tuple[list[list[int]], float]:
+        return _timed(lambda prompt: self.generate_one(prompt, max_new_tokens, eos), prompts, self.model.device)
+
+    def close(self) -> None:
         torch._dynamo.reset()
-        return False

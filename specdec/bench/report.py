@@ -8,6 +8,10 @@ from pathlib import Path
 
 
 def markdown(result: dict) -> str:
+    return "\n".join([_zoo_table(result), _bandwidth_table(result), _targets_table(result)])
+
+
+def _zoo_table(result: dict) -> str:
     env = result["environment"]
     hardware = env.get("gpu", env.get("cpu", "?"))
     lines = [
@@ -30,6 +34,84 @@ def markdown(result: dict) -> str:
         agreed = "-" if row["agreement"] != row["agreement"] else f"{row['agreement']:.0%}"
         lines.append(f"| {row['method']} | {row['batch']} | {row['tokens_per_s']:.1f} | {ratio} | {tau} | "
                      f"{identical} | {agreed} |")
+    return "\n".join(lines) + "\n"
+
+
+def _bandwidth_table(result: dict) -> str:
+    part = result.get("bandwidth")
+    if not part:
+        return ""
+    lines = [f"Plain decoding step, random-weight Llama shapes, bf16, context {part['context']}, "
+             f"{part['new_tokens']} new tokens; copy bandwidth {part['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s "
+             "measured in the same run; floor = (weight + KV bytes read) / copy bandwidth.", "",
+             "| shape | batch | mode | step ms | forward ms | host ms | floor ms | of floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in part["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['shape']} | {row['batch']} | {row['mode']} | failed: {row['error'][:80]} | | | | |")
+            continue
+        split = [f"{row[key]:.2f}" if key in row else "-" for key in ("forward_ms", "host_ms")]
+        lines.append(f"| {row['shape']} | {row['batch']} | {row['mode']} | {row['step_ms']:.2f} | {split[0]} | "
+                     f"{split[1]} | {row['floor_ms']:.2f} | {row['fraction_of_floor']:.0%} |")
+    if part.get("kernel_breakdown"):
+        lines += ["", "Kernels of one forward (outside the graph): count / summed device ms", "",
+                  "| run | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
+        for name, kinds in part["kernel_breakdown"].items():
+            cells = [f"{kinds[k]['count']} / {kinds[k]['ms']:.2f}" if k in kinds else "-" for k in KINDS]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+KINDS = ("matmul", "attention", "cache write / indexing", "fused (inductor)", "other elementwise / reduction",
+         "copy / fill")
+
+
+def targets(result: dict) -> list[dict]:
+    """Issue 4's targets, each met or not with its measured ratio (only those this run measured)."""
+    found = []
+    rows = [r for r in result.get("rows", []) if not r["error"]]
+    by = {(r["method"], r["batch"]): r for r in rows}
+    ours = [r for r in rows if r["family"] == "specdec"]
+    plain = {r["batch"]: r for r in ours if r["method"].startswith("specdec plain")}
+    assisted = next((r for r in rows if r["method"].startswith("HF assisted")), None)
+    if assisted:
+        drafter = assisted["method"][len("HF assisted generation ("):-1]
+        mine = next((r for r in ours if r["batch"] == 1 and r["method"].startswith(f"specdec {drafter} ")), None)
+        if mine:
+            ratio = mine["tokens_per_s"] / assisted["tokens_per_s"]
+            found.append({"target": f"specdec with {drafter} >= 5x HF assisted generation at batch 1, output identical to plain decoding",
+                          "ratio": ratio, "met": ratio >= 5 and bool(mine["identical"])})
+    static = by.get(("HF static cache + torch.compile", 1))
+    best1 = max((r for r in ours if r["batch"] == 1), key=lambda r: r["tokens_per_s"], default=None)
+    if static and best1:
+        ratio = best1["tokens_per_s"] / static["tokens_per_s"]
+        found.append({"target": f"best specdec method ({best1['method']}) >= 2x HF static cache + compile at batch 1",
+                      "ratio": ratio, "met": ratio >= 2})
+    best16 = max((r for r in ours if r["batch"] == 16), key=lambda r: r["tokens_per_s"], default=None)
+    if best16 and 16 in plain:
+        ratio = best16["tokens_per_s"] / plain[16]["tokens_per_s"]
+        found.append({"target": f"best specdec method ({best16['method']}) >= 1.3x specdec plain decoding at batch 16",
+                      "ratio": ratio, "met": ratio >= 1.3})
+    part = result.get("bandwidth") or {}
+    steps = [r for r in part.get("rows", []) if "error" not in r and r["shape"] == "llama-8B" and r["batch"] == 1]
+    mine = min((r for r in steps if r["mode"].startswith("specdec")), key=lambda r: r["step_ms"], default=None)
+    hf = next((r for r in steps if r["mode"].startswith("HF")), None)
+    if mine:
+        found.append({"target": f"8B plain decode step at batch 1 ({mine['mode']}) >= 75% of the bandwidth floor",
+                      "ratio": mine["fraction_of_floor"], "met": mine["fraction_of_floor"] >= 0.75})
+        if hf:
+            ratio = hf["step_ms"] / mine["step_ms"]
+            found.append({"target": "8B plain decode step at batch 1 faster than HF static cache + compile",
+                          "ratio": ratio, "met": ratio > 1})
+    return found
+
+
+def _targets_table(result: dict) -> str:
+    found = targets(result)
+    if not found:
+        return ""
+    lines = ["| target | measured ratio | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['ratio']:.2f} | {'yes' if t['met'] else 'no'} |" for t in found]
     return "\n".join(lines) + "\n"
 
 
@@ -60,7 +142,11 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{stem}.json", folder / f"{stem}.md", folder / f"{stem}.png"]
+    result = {**result, "targets": targets(result)}
     paths[0].write_text(json.dumps(result, indent=2))
     paths[1].write_text(markdown(result))
-    plot(result, paths[2])
+    if result.get("rows"):
+        plot(result, paths[2])
+    else:
+        paths.pop()
     return paths

@@ -27,12 +27,12 @@ from .base import Drafter
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, model, attention: str = "auto", cuda_graphs: bool | str = False):
-        """attention and cuda_graphs as for generate(): attention "auto" is the fast kernel on a
-        CUDA model and the reference backend elsewhere; graphs are opt-in."""
+    def __init__(self, model, attention: str = "auto", cuda_graphs: bool | str = False, compile: bool = False):
+        """attention, cuda_graphs and compile as for generate(): attention "auto" is the fast
+        kernel on a CUDA model and the reference backend elsewhere; graphs are opt-in."""
         check_supported(model)
         self.model = model
-        self.attention, self.cuda_graphs = resolve_backend(model, attention, cuda_graphs)
+        self.attention, self.cuda_graphs, self.compile = resolve_backend(model, attention, cuda_graphs, compile)
         self.vocab_size = vocab_size_of(model)
         self._runner: ModelRunner | None = None
         self._attached = None
@@ -51,7 +51,7 @@ class ModelDrafter(Drafter):
         # catch-up passes carry one or two tokens per row after the first step; single-token steps one
         graph_shape = (2, 2 * batch.num_rows) if self.cuda_graphs else None
         self._runner = runner_for(self.model, role=f"drafter-{id(self)}", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft_tokens + 1,
-                                  attention=self.attention, graph_shape=graph_shape)
+                                  attention=self.attention, graph_shape=graph_shape, compile=self.compile)
         self._runner.cache.lengths[:] = 0  # a reused runner: nothing cached is valid for this batch
         self._attached = self._runner.attached()
         self._attached.__enter__()
