@@ -15,7 +15,8 @@ Per request, counted over the decoding steps the request took part in:
 Overall: sums of the per-request counts; ``tau`` = emitted / request-steps; ``steps`` counts
 loop iterations; ``tokens_per_s`` = emitted / total wall time; ``padding_fraction`` = pad slots
 / all token slots the target computed while verifying; ``draft_time_s`` and
-``verify_time_s`` are summed device times of the two phases (CUDA events on GPU).
+``verify_time_s`` are summed device times of the two phases (CUDA events on GPU); a step's
+``drafter_time_s[d]`` is the part of its draft time spent in drafter d's ``propose``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class StepRecord:
     draft_time_s: float
     verify_time_s: float
     cost: VerifyCost
+    drafter_time_s: np.ndarray | None = None  # [D] draft time of each drafter given to generate()
 
 
 @dataclass
