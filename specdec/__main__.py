@@ -65,7 +65,9 @@ def _cuda() -> bool:
 
 
 def _bench(args) -> int:
+    import json
     import time
+    from pathlib import Path
 
     from .bench import BenchSettings, run, write
 
@@ -78,10 +80,13 @@ def _bench(args) -> int:
         settings.batch_sizes, settings.num_prompts, settings.batch1_prompts = (1, 16), 16, 4
         settings.max_new_tokens = min(settings.max_new_tokens, 64)
         settings.bandwidth_shapes = ("llama-8B",)
-    result = run(settings)
     stem = f"bench_{args.preset}_{args.device.split(':')[0]}_{time.strftime('%Y%m%d_%H%M%S')}"
+    partial = Path(args.out) / f"{stem}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    result = run(settings, checkpoint=lambda so_far: partial.write_text(json.dumps(so_far, indent=2)))
     for path in write(result, args.out, stem):
         print(f"wrote {path}")
+    partial.unlink(missing_ok=True)
     return 0
 
 

@@ -43,6 +43,7 @@ class GraphedForward:
         device = runner.device
         # one int64 buffer: ids, positions, rows [T each]; group rows, first tokens, counts [G each]
         self._sizes = [self.max_tokens] * 3 + [self.max_groups] * 3
+        self._offsets = np.cumsum([0] + self._sizes)
         self._device = torch.zeros(sum(self._sizes), dtype=torch.int64, device=device)
         views = torch.split(self._device, self._sizes)
         self.input_ids, self.positions, self.token_rows, self.group_rows, self.group_first, self.group_counts = views
@@ -88,7 +89,7 @@ class GraphedForward:
         token_rows = np.full(bucket, scratch, dtype=np.int64)
         token_rows[:num_tokens] = rows[token_group]
         host = np.zeros(sum(self._sizes), dtype=np.int64)
-        offsets = np.cumsum([0] + self._sizes)
+        offsets = self._offsets
         host[offsets[1] : offsets[1] + bucket] = positions
         host[offsets[2] : offsets[2] + bucket] = token_rows
         host[offsets[3] : offsets[3] + num_groups] = group_rows

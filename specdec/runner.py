@@ -271,6 +271,8 @@ class ModelRunner:
             raise ValueError(
                 f"position {last_position - 1} does not fit the cache of {self.cache.max_len} positions"
             )
+        if logits_indices is not None and np.array_equal(logits_indices, np.arange(layout.num_tokens)):
+            logits_indices = None  # every token's logits, in order: no gather needed
         if self.graphs is not None and self.graphs.fits(layout.counts):
             logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts)  # valid until the next replay
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]

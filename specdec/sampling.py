@@ -91,7 +91,6 @@ def chain_verdict(
     slots = torch.arange(max_draft + 1, device=device)  # [K+1]
     is_draft_slot = slots[:max_draft] < num_draft_tokens[:, None]  # [R, K]
     safe_draft_ids = draft_token_ids.clamp(min=0)  # [R, K]
-    positions = first_positions[:, None] + slots  # [R, K+1]
 
     if params.greedy:
         target_choice = target_logits.argmax(dim=-1)  # [R, K+1]
@@ -100,6 +99,7 @@ def chain_verdict(
         # Accepted drafts equal the target's argmax, so the emitted tokens are its argmax.
         emitted_candidates = target_choice  # [R, K+1]
     else:
+        positions = first_positions[:, None] + slots  # [R, K+1]
         target_probs = process_logits(target_logits, params)  # [R, K+1, V]
         target_at_draft = target_probs[:, :max_draft].gather(-1, safe_draft_ids[..., None])[..., 0]  # [R, K]
         if draft_probs is None:

@@ -17,3 +17,10 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Several int64 arrays in one transfer (one pinned buffer, one copy) -> views, one per array."""
+    sizes = [int(np.size(a)) for a in arrays]
+    packed = to_device(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]), device)
+    return [view.view(np.shape(a)) for view, a in zip(torch.split(packed, sizes), arrays)]

@@ -87,25 +87,29 @@ def _ours(target, prompts, batch, drafter, k, settings, eos, graphs, compiled) -
     return sequences, seconds, sum(map(len, sequences)) / steps
 
 
-def run(settings: BenchSettings, log=print) -> dict:
-    """Every part the settings name, in one process; one result dictionary."""
+def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
+    """Every part the settings name, in one process; one result dictionary. ``checkpoint`` (if
+    given) receives the partial result after every measurement, so a run cut short keeps them."""
+    save = checkpoint or (lambda partial: None)
     unknown = set(settings.parts) - {"zoo", "bandwidth"}
     if unknown:
         raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth")
     result = {"environment": environment(settings), "settings": asdict(settings), "rows": []}
     if "zoo" in settings.parts:
-        result.update(run_zoo(settings, log))
+        result.update(run_zoo(settings, log, lambda zoo_part: save({**result, **zoo_part})))
+        save(result)
     if "bandwidth" in settings.parts:
         if settings.device.startswith("cuda"):
             from . import bandwidth
 
             result["bandwidth"] = bandwidth.run(settings.bandwidth_shapes, log=log)
+            save(result)
         else:
             log("bandwidth part skipped: it measures CUDA step times")
     return result
 
 
-def run_zoo(settings: BenchSettings, log=print) -> dict:
+def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
     """specdec and the peers on the model zoo -> {"zoo": manifest models, "rows": [...]}."""
     build(settings.preset, out=settings.zoo_dir, device=settings.device)
     dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if settings.device.startswith("cuda") else "float32")
@@ -137,10 +141,15 @@ def run_zoo(settings: BenchSettings, log=print) -> dict:
             log(f"{method:<42} batch {batch:>3}: FAILED {row.error}")
             return None
 
+    def part() -> dict:
+        return {"zoo": zoo.manifest["models"], "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]}
+
     def add(row: BenchRow | None) -> None:
         if row is None:
             return
         rows.append(row)
+        if progress is not None:
+            progress(part())
         log(f"{row.method:<42} batch {row.batch:>3}: {row.tokens_per_s:10.1f} tok/s"
             f"{'' if row.tau is None else f', tau {row.tau:.2f}'}, identical: {'yes' if row.identical else 'NO'}")
 
@@ -193,7 +202,7 @@ def run_zoo(settings: BenchSettings, log=print) -> dict:
                 return compared("HF static cache + torch.compile", "peer", 1, out, seconds, plain)
 
             add(attempt("HF static cache + torch.compile", "peer", 1, measure_compiled))
-    return {"zoo": zoo.manifest["models"], "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]}
+    return part()
 
 
 def agreement(outputs: list[list[int]], expected: list[list[int]] | None) -> float:

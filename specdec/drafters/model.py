@@ -84,10 +84,14 @@ class ModelDrafter(Drafter):
         )  # [R, V]
         cached[rows] = ends
 
+        greedy = self.sampling.greedy
+        rows_t = to_device(rows, device)  # [R]
         for depth in range(max_tokens):
-            rows_t = to_device(rows, device)
-            positions = to_device(batch.lengths[rows] + depth, device)  # [R]
-            chosen, chosen_probs = next_tokens(logits, self.sampling, self._seeds[rows_t], positions, noise.DRAFT)
+            if greedy:  # no randomness: neither seeds nor positions are needed
+                chosen, chosen_probs = logits.argmax(dim=-1), None
+            else:
+                positions = to_device(batch.lengths[rows] + depth, device)  # [R]
+                chosen, chosen_probs = next_tokens(logits, self.sampling, self._seeds[rows_t], positions, noise.DRAFT)
             token_ids[rows_t, depth] = chosen
             if probs is not None:
                 probs[rows_t, depth] = chosen_probs
@@ -95,10 +99,12 @@ class ModelDrafter(Drafter):
             keep = num_tokens[rows] > depth + 1  # [R]
             if not keep.any():
                 break
-            rows = rows[keep]
+            if not keep.all():
+                rows = rows[keep]
+                kept = to_device(np.flatnonzero(keep), device)
+                chosen, rows_t = chosen[kept], rows_t[kept]
             layout = PackedLayout(rows=rows, starts=cached[rows], counts=np.ones(len(rows), dtype=np.int64))
-            kept = to_device(np.flatnonzero(keep), device)
-            logits = runner.forward(chosen[kept], layout)  # [R', V]
+            logits = runner.forward(chosen, layout)  # [R', V]
             cached[rows] += 1
         return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
 

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from ..transfer import to_device
+from ..transfer import to_device_many
 
 from ..batch import BatchState
 from ..runner import ModelRunner, PackedLayout
@@ -30,21 +30,23 @@ class Verifier(ABC):
         rows = batch.active_rows()  # [A]
         device = runner.device
         num_draft = draft.num_tokens[rows]  # [A]
-        rows_t = to_device(rows, device)
-        chains = torch.cat(
-            [to_device(batch.last_token_ids(rows), device)[:, None], draft.token_ids[rows_t]], dim=1
-        )  # [A, K+1]: last committed token, then the draft
+        rows_t, last_t, num_draft_t, seeds_t, lengths_t = to_device_many(
+            [rows, batch.last_token_ids(rows), num_draft, batch.seeds[rows], batch.lengths[rows]], device)
+        every_row = len(rows) == batch.num_rows  # the common case: no row gathering or scattering
+        draft_ids = draft.token_ids if every_row else draft.token_ids[rows_t]  # [A, K]
+        chains = torch.cat([last_t[:, None], draft_ids], dim=1)  # [A, K+1]: last committed token, then the draft
         target_logits, cost = self.score(runner, batch, rows, chains, num_draft)  # [A, K+1, V]
+        draft_probs = draft.probs if draft.probs is None or every_row else draft.probs[rows_t]
         verdict = chain_verdict(
-            draft_token_ids=draft.token_ids[rows_t],
-            num_draft_tokens=to_device(num_draft, device),
+            draft_token_ids=draft_ids,
+            num_draft_tokens=num_draft_t,
             target_logits=target_logits,
-            draft_probs=None if draft.probs is None else draft.probs[rows_t],
+            draft_probs=draft_probs,
             params=sampling,
-            seeds=to_device(batch.seeds[rows], device),
-            first_positions=to_device(batch.lengths[rows], device),
+            seeds=seeds_t,
+            first_positions=lengths_t,
         )
-        return _scatter_rows(verdict, rows_t, batch.num_rows), cost
+        return (verdict if every_row else _scatter_rows(verdict, rows_t, batch.num_rows)), cost
 
     @abstractmethod
     def score(
