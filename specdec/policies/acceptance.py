@@ -1,0 +1,198 @@
+"""Online acceptance estimates, per request, per drafter and per draft position, shared by the
+adaptive policies (SmartSpec, Liu et al. 2024, arXiv 2406.14066, §4: an exponential moving
+average 0.85 old / 0.15 new, or a window of the last 100 steps, starting from 0.5).
+
+What is estimated. For row r drafting with drafter d, ``position_rates[r, d, i]`` is the
+probability that draft token i is accepted *given that tokens 0..i-1 were* (the conditional
+rate), and ``rate[r, d]`` pools those trials over positions (the alpha of the i.i.d. model).
+One step that drafted n tokens and accepted a of them is one Bernoulli trial at each position
+0..min(a, n-1): a successes, then one failure if a < n; positions after the first rejection are
+not observed. A step cut short by EOS or the token budget (emitted <= accepted) is censored: its
+accepted tokens count as successes and no failure is recorded. ``coverage[r, d]`` is the
+fraction of steps in which the drafter proposed at least one token when asked (prompt lookup
+finds no match in some), which discounts its expected gain.
+
+Invariant: every estimate lies in [0, 1] and equals its prior until the (row, drafter, position)
+it describes has been observed; an update reads only a ``StepRecord`` (host arrays), so it costs
+O(B x K) numpy work per step and no device synchronisation.
+
+Expected emitted tokens for k draft tokens (ALGORITHMS.md §1): with i.i.d. acceptance alpha,
+E[tau](k) = (1 - alpha^(k+1)) / (1 - alpha) (k + 1 when alpha = 1); with per-position
+conditional rates a_0, a_1, ..., E[tau](k) = 1 + sum_{j<k} prod_{i<=j} a_i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..stats import StepRecord
+
+EMA_OLD_WEIGHT = 0.85  # SmartSpec's moving average: 0.85 old, 0.15 new
+DEFAULT_WINDOW = 100  # steps kept by the window estimator
+
+
+def expected_emitted(rate, num_draft_tokens):
+    """E[tau](k) = (1 - a^(k+1)) / (1 - a) under i.i.d. acceptance a; broadcasts over arrays."""
+    rate = np.asarray(rate, dtype=np.float64)
+    k = np.asarray(num_draft_tokens, dtype=np.float64)
+    near_one = np.isclose(rate, 1.0)
+    safe = np.where(near_one, 0.5, rate)
+    return np.where(near_one, k + 1.0, (1.0 - safe ** (k + 1.0)) / (1.0 - safe))
+
+
+def marginal_gains(position_rates: np.ndarray) -> np.ndarray:
+    """[..., K] conditional rates -> [..., K] expected tokens the j-th draft token adds,
+    prod_{i<=j} a_i (non-increasing in j, since every a_i <= 1)."""
+    return np.cumprod(np.clip(position_rates, 0.0, 1.0), axis=-1)
+
+
+def expected_emitted_table(position_rates: np.ndarray) -> np.ndarray:
+    """[..., K] conditional rates -> [..., K+1] E[tau](k) for k = 0..K:
+    1 + sum_{j<k} prod_{i<=j} a_i."""
+    gains = marginal_gains(np.asarray(position_rates, dtype=np.float64))
+    zero = np.zeros(gains.shape[:-1] + (1,))
+    return 1.0 + np.concatenate([zero, np.cumsum(gains, axis=-1)], axis=-1)
+
+
+def iid_rates(rate, max_draft_tokens: int) -> np.ndarray:
+    """The per-position view of an i.i.d. rate: [...] -> [..., K] with every a_i = rate."""
+    rate = np.asarray(rate, dtype=np.float64)
+    return np.repeat(rate[..., None], max_draft_tokens, axis=-1)
+
+
+class AcceptanceEstimator:
+    """Acceptance rates per (row, drafter, position), updated from StepRecords.
+
+    num_rows: requests of the generate() call; num_drafters: drafters given to it;
+    max_draft_tokens: positions tracked; prior: cold-start rate, one number or one per drafter;
+    mode: "ema" (old * 0.85 + step * 0.15 for every observed quantity) or "window" (ratio of
+    successes to trials over the last ``window`` steps in which that row used that drafter).
+    """
+
+    def __init__(self, num_rows: int, num_drafters: int, max_draft_tokens: int,
+                 prior: float | Sequence[float] = 0.5, mode: str = "ema", window: int = DEFAULT_WINDOW,
+                 old_weight: float = EMA_OLD_WEIGHT):
+        if mode not in ("ema", "window"):
+            raise ValueError(f"mode must be 'ema' or 'window', got {mode!r}")
+        if num_drafters < 1 or max_draft_tokens < 1:
+            raise ValueError("an AcceptanceEstimator needs at least one drafter and one draft position")
+        priors = np.broadcast_to(np.asarray(prior, dtype=np.float64), (num_drafters,)).copy()
+        if np.any((priors < 0) | (priors > 1)):
+            raise ValueError(f"acceptance priors must lie in [0, 1], got {prior!r}")
+        if not 0.0 <= old_weight < 1.0:
+            raise ValueError(f"old_weight must lie in [0, 1), got {old_weight!r}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window!r}")
+        self.num_rows, self.num_drafters, self.max_draft_tokens = num_rows, num_drafters, max_draft_tokens
+        self.mode, self.window, self.old_weight = mode, window, old_weight
+        self.prior = priors  # [D]
+        shape = (num_rows, num_drafters)
+        if mode == "ema":
+            self._position = np.broadcast_to(priors[None, :, None], shape + (max_draft_tokens,)).copy()  # [B, D, K]
+            self._rate = np.broadcast_to(priors[None, :], shape).copy()  # [B, D]
+            self._coverage = np.ones(shape)  # [B, D]
+        else:
+            self._slot = np.zeros(shape, dtype=np.int64)  # [B, D] next ring slot
+            self._successes = np.zeros(shape + (window, max_draft_tokens))  # [B, D, W, K]
+            self._trials = np.zeros(shape + (window, max_draft_tokens))  # [B, D, W, K]
+            self._asked = np.zeros(shape + (window,))  # [B, D, W] 1 where the step asked the drafter
+            self._proposed = np.zeros(shape + (window,))  # [B, D, W] 1 where it proposed something
+        self.observed = np.zeros(shape, dtype=np.int64)  # [B, D] steps with at least one trial
+
+    # --- reading -------------------------------------------------------------------------
+    def position_rates(self, drafter_index) -> np.ndarray:
+        """[B, K] conditional acceptance per position, for each row's drafter
+        (``drafter_index``: one index for all rows or [B])."""
+        d = np.broadcast_to(np.asarray(drafter_index, dtype=np.int64), (self.num_rows,))
+        rows = np.arange(self.num_rows)
+        if self.mode == "ema":
+            return self._position[rows, d].copy()
+        successes = self._successes[rows, d].sum(axis=1)  # [B, K]
+        trials = self._trials[rows, d].sum(axis=1)
+        return np.where(trials > 0, successes / np.maximum(trials, 1), self.prior[d][:, None])
+
+    def rate(self, drafter_index) -> np.ndarray:
+        """[B] pooled per-token acceptance (the i.i.d. alpha) for each row's drafter."""
+        d = np.broadcast_to(np.asarray(drafter_index, dtype=np.int64), (self.num_rows,))
+        rows = np.arange(self.num_rows)
+        if self.mode == "ema":
+            return self._rate[rows, d].copy()
+        successes = self._successes[rows, d].sum(axis=(1, 2))
+        trials = self._trials[rows, d].sum(axis=(1, 2))
+        return np.where(trials > 0, successes / np.maximum(trials, 1), self.prior[d])
+
+    def coverage(self, drafter_index) -> np.ndarray:
+        """[B] fraction of asked steps in which the row's drafter proposed at least one token."""
+        d = np.broadcast_to(np.asarray(drafter_index, dtype=np.int64), (self.num_rows,))
+        rows = np.arange(self.num_rows)
+        if self.mode == "ema":
+            return self._coverage[rows, d].copy()
+        asked = self._asked[rows, d].sum(axis=1)
+        return np.where(asked > 0, self._proposed[rows, d].sum(axis=1) / np.maximum(asked, 1), 1.0)
+
+    def expected_emitted(self, drafter_index, num_draft_tokens, per_position: bool = False) -> np.ndarray:
+        """[B] E[tau] of drafting ``num_draft_tokens`` (scalar or [B]) with each row's drafter,
+        discounted by its coverage: 1 + coverage * (E[tau](k) - 1)."""
+        k = np.broadcast_to(np.asarray(num_draft_tokens, dtype=np.int64), (self.num_rows,))
+        if per_position:
+            table = expected_emitted_table(self.position_rates(drafter_index))  # [B, K+1]
+            tau = table[np.arange(self.num_rows), np.minimum(k, self.max_draft_tokens)]
+        else:
+            tau = expected_emitted(self.rate(drafter_index), k)
+        return 1.0 + self.coverage(drafter_index) * (tau - 1.0)
+
+    # --- learning ------------------------------------------------------------------------
+    def update(self, record: StepRecord, asked: np.ndarray | None = None) -> None:
+        """Learn from one step. ``asked`` ([B], optional): the draft lengths the policy planned
+        (after the row's budget cap), to track coverage; without it coverage stays as it is."""
+        rows = np.asarray(record.rows, dtype=np.int64)
+        if len(rows) == 0:
+            return
+        drafter = np.asarray(record.drafter_index, dtype=np.int64)[rows]
+        drafted = np.asarray(record.num_drafted, dtype=np.int64)[rows]
+        accepted = np.minimum(np.asarray(record.num_accepted, dtype=np.int64)[rows], drafted)
+        emitted = np.asarray(record.num_emitted, dtype=np.int64)[rows]
+        drafted = np.minimum(drafted, self.max_draft_tokens)
+        accepted = np.minimum(accepted, drafted)
+        rejected = (accepted < drafted) & (emitted > accepted)  # a real rejection, not a cut-short step
+        position = np.arange(self.max_draft_tokens)
+        success = (position[None, :] < accepted[:, None]).astype(np.float64)  # [A, K]
+        trial = success + ((position[None, :] == accepted[:, None]) & rejected[:, None])  # [A, K]
+        has_trial = trial.sum(axis=1) > 0  # [A]
+        self.observed[rows, drafter] += has_trial
+        was_asked = None
+        if asked is not None:
+            was_asked = np.asarray(asked, dtype=np.int64)[rows] > 0
+        if self.mode == "ema":
+            self._update_ema(rows, drafter, success, trial, has_trial, was_asked, drafted)
+        else:
+            self._update_window(rows, drafter, success, trial, has_trial, was_asked, drafted)
+
+    def _update_ema(self, rows, drafter, success, trial, has_trial, was_asked, drafted) -> None:
+        old, new = self.old_weight, 1.0 - self.old_weight
+        seen = trial > 0  # [A, K]
+        current = self._position[rows, drafter]  # [A, K]
+        self._position[rows, drafter] = np.where(seen, old * current + new * success, current)
+        step_rate = success.sum(axis=1) / np.maximum(trial.sum(axis=1), 1)  # [A]
+        current_rate = self._rate[rows, drafter]
+        self._rate[rows, drafter] = np.where(has_trial, old * current_rate + new * step_rate, current_rate)
+        if was_asked is not None:
+            current_cov = self._coverage[rows, drafter]
+            proposed = (drafted > 0).astype(np.float64)
+            self._coverage[rows, drafter] = np.where(was_asked, old * current_cov + new * proposed, current_cov)
+
+    def _update_window(self, rows, drafter, success, trial, has_trial, was_asked, drafted) -> None:
+        counted = has_trial if was_asked is None else (has_trial | was_asked)
+        rows, drafter = rows[counted], drafter[counted]
+        slot = self._slot[rows, drafter]
+        self._successes[rows, drafter, slot] = success[counted]
+        self._trials[rows, drafter, slot] = trial[counted]
+        if was_asked is not None:
+            self._asked[rows, drafter, slot] = was_asked[counted]
+            self._proposed[rows, drafter, slot] = was_asked[counted] & (drafted[counted] > 0)
+        else:
+            self._asked[rows, drafter, slot] = 0.0
+            self._proposed[rows, drafter, slot] = 0.0
+        self._slot[rows, drafter] = (slot + 1) % self.window

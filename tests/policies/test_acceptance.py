@@ -1,0 +1,119 @@
+"""Acceptance estimates: the expected-tokens formulas (table tests) and the online estimators'
+updates from StepRecords (EMA 0.85/0.15 and window), with censoring and coverage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec.policies.acceptance import (
+    AcceptanceEstimator,
+    expected_emitted,
+    expected_emitted_table,
+    marginal_gains,
+)
+from specdec.stats import StepRecord
+from specdec.types import VerifyCost
+
+
+def record(drafted, accepted, emitted=None, drafter=None, rows=None):
+    drafted = np.asarray(drafted)
+    accepted = np.asarray(accepted)
+    emitted = accepted + 1 if emitted is None else np.asarray(emitted)
+    num_rows = len(drafted)
+    return StepRecord(
+        step=0, rows=np.arange(num_rows) if rows is None else np.asarray(rows),
+        drafter_index=np.zeros(num_rows, dtype=np.int64) if drafter is None else np.asarray(drafter),
+        num_drafted=drafted, num_accepted=accepted, num_emitted=emitted,
+        draft_time_s=0.0, verify_time_s=0.0, cost=VerifyCost(0, 0),
+    )
+
+
+@pytest.mark.parametrize("rate,k,expected", [
+    (0.5, 0, 1.0),
+    (0.5, 1, 1.5),
+    (0.5, 3, 1.875),
+    (0.8, 4, (1 - 0.8 ** 5) / 0.2),
+    (1.0, 4, 5.0),
+    (0.0, 6, 1.0),
+])
+def test_expected_emitted_iid(rate, k, expected):
+    assert expected_emitted(rate, k) == pytest.approx(expected)
+
+
+def test_expected_emitted_per_position_equals_iid_when_rates_are_equal():
+    table = expected_emitted_table(np.full((2, 5), 0.7))
+    assert np.allclose(table, expected_emitted(0.7, np.arange(6))[None, :])
+
+
+@pytest.mark.parametrize("rates,expected", [
+    ([0.9, 0.5, 0.0], [1.0, 1.9, 2.35, 2.35]),
+    ([1.0, 1.0], [1.0, 2.0, 3.0]),
+    ([0.0, 1.0], [1.0, 1.0, 1.0]),
+])
+def test_expected_emitted_per_position(rates, expected):
+    assert np.allclose(expected_emitted_table(np.array(rates)), expected)
+
+
+def test_marginal_gains_never_increase():
+    rates = np.random.default_rng(0).uniform(0, 1, size=(50, 8))
+    assert np.all(np.diff(marginal_gains(rates), axis=1) <= 0)
+
+
+def test_ema_update_per_position_and_pooled():
+    est = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=4, prior=0.5)
+    # row 0 drafted 3, accepted 1: success at 0, failure at 1, 2 and 3 unobserved
+    # row 1 drafted 2, accepted 2: successes at 0 and 1, nothing rejected
+    est.update(record(drafted=[3, 2], accepted=[1, 2]))
+    positions = est.position_rates(0)
+    assert np.allclose(positions[0], [0.85 * 0.5 + 0.15, 0.85 * 0.5, 0.5, 0.5])
+    assert np.allclose(positions[1], [0.85 * 0.5 + 0.15, 0.85 * 0.5 + 0.15, 0.5, 0.5])
+    assert np.allclose(est.rate(0), [0.85 * 0.5 + 0.15 * 0.5, 0.85 * 0.5 + 0.15 * 1.0])
+
+
+def test_censored_step_records_no_rejection():
+    """EOS inside the draft: emitted == accepted, so the unaccepted tail was never judged."""
+    est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=4, prior=0.5)
+    est.update(record(drafted=[4], accepted=[2], emitted=[2]))
+    assert np.allclose(est.position_rates(0)[0], [0.575, 0.575, 0.5, 0.5])
+    assert est.rate(0)[0] == pytest.approx(0.575)
+
+
+def test_per_drafter_priors_and_separate_estimates():
+    est = AcceptanceEstimator(num_rows=2, num_drafters=2, max_draft_tokens=2, prior=[0.9, 0.2])
+    est.update(record(drafted=[2, 2], accepted=[0, 2], drafter=[0, 1]))
+    assert np.allclose(est.rate(0), [0.85 * 0.9, 0.9])  # row 1 never used drafter 0
+    assert np.allclose(est.rate(1), [0.2, 0.85 * 0.2 + 0.15])
+    assert np.allclose(est.rate([0, 1]), [0.85 * 0.9, 0.85 * 0.2 + 0.15])
+
+
+def test_rows_that_took_no_part_are_left_alone():
+    est = AcceptanceEstimator(num_rows=3, num_drafters=1, max_draft_tokens=2)
+    est.update(record(drafted=[2, 2, 2], accepted=[0, 0, 0], rows=[1]))
+    assert np.allclose(est.rate(0), [0.5, 0.85 * 0.5, 0.5])
+
+
+def test_window_counts_the_last_steps_only():
+    est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=3, mode="window", window=3, prior=0.5)
+    assert est.rate(0)[0] == 0.5
+    for accepted in (0, 0, 3, 3, 3):  # the first two fall out of the window
+        est.update(record(drafted=[3], accepted=[accepted]))
+    assert est.rate(0)[0] == 1.0
+    assert np.allclose(est.position_rates(0)[0], 1.0)
+    est.update(record(drafted=[3], accepted=[1]))  # window: 3 of 3, 3 of 3, 1 of 2 trials
+    assert est.rate(0)[0] == pytest.approx(7 / 8)
+    assert np.allclose(est.position_rates(0)[0], [1.0, 2 / 3, 1.0])
+
+
+def test_coverage_discounts_expected_tokens():
+    est = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=3, prior=1.0)
+    asked = np.array([3, 3])
+    est.update(record(drafted=[0, 3], accepted=[0, 3]), asked=asked)  # row 0 found no match
+    assert np.allclose(est.coverage(0), [0.85, 1.0])
+    assert np.allclose(est.expected_emitted(0, 3), [1 + 0.85 * 3, 4.0])
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "median"}, {"prior": 1.5}, {"window": 0}, {"prior": [0.5, 0.5]}])
+def test_bad_estimator_options(kwargs):
+    with pytest.raises(ValueError):
+        AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=2, **kwargs)
