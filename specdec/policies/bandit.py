@@ -1,0 +1,211 @@
+"""BanditPolicy: learn which drafter serves each request best (SPIN, Chen et al., INFOCOM 2025,
+arXiv 2503.15921, §III: heterogeneous drafters chosen by a multi-armed bandit whose reward is a
+rate of tokens per second; ALGORITHMS.md §2 gives specdec's reading of it).
+
+Arms are the drafters given to generate(); every row drafts ``num_draft_tokens`` tokens with the
+drafter its bandit picks. ``scope="request"`` keeps one bandit per request (row), restarted with
+each generate() call; ``scope="batch"`` keeps one bandit for the whole batch that picks one
+drafter per step (a "time slot", as in the paper) and keeps learning across calls.
+
+Reward of a row in a step: tokens it emitted / seconds attributed to it. Attribution (our choice;
+the paper's full text was not available): the verify pass is one read of the target's weights
+shared by every row, so measured verify time is split equally over the step's active rows; a
+drafter's measured time is split over the rows it drafted for in proportion to the tokens they
+asked for (``StepRecord.drafter_time_s``). With a ``CostModel`` the times are predicted instead of
+measured (no timing noise): fixed and per-pass terms are split equally, per-row, per-token and
+per-KV-token terms go to the row that caused them. The batch-level reward is all emitted tokens
+over the step's draft + verify time. Rewards are normalised by the largest reward seen so far.
+
+Strategies (``BanditState``, vectorised over independent bandits):
+- "ucb": UCB1 (Auer et al. 2002): untried arms first, then argmax mean + c * sqrt(ln t / n),
+  t the bandit's pulls so far, n the arm's.
+- "epoch": explore-then-commit in epochs of doubling length (8, 16, 32, ... slots). The first
+  slots of each epoch explore: round robin (fewest pulls first) over the candidate arms, those
+  whose upper confidence bound mean + c * sqrt(ln t / n) reaches the best mean, until one is left or
+  half the epoch is spent; the rest of the epoch exploits the best empirical mean. An arm of gap
+  Delta stops being a candidate after O(c^2 ln t / Delta^2) pulls and the number of epochs grows
+  as log t, so the pseudo-regret grows as O(sum ln T / Delta) (SPIN's Theorem 1 states O(log T)).
+
+Invariant: the policy changes only which drafter proposes; the acceptance rule keeps the
+output the target's own whatever the choice. Cost: O(B x D) numpy work per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..stats import StepRecord
+from ..types import Plan
+from .base import Policy
+from .cost_model import CostModel
+
+STRATEGIES = ("ucb", "epoch")
+SCOPES = ("request", "batch")
+
+
+class BanditState:
+    """``num_bandits`` independent bandits over ``num_arms`` arms.
+
+    exploration: c in the confidence radius c * sqrt(ln t / n). Rewards are normalised by the
+    bandit's best arm mean, so the best arm scores about 1 (sqrt(2) is UCB1's constant for
+    rewards in [0, 1]; 1.0, the default, explores less and kept regret logarithmic in the tests,
+    0.5 locked onto a worse Bernoulli arm in some runs). epoch_length: slots of the first epoch
+    ("epoch"); max_explore_fraction: the most of an epoch spent exploring.
+    """
+
+    def __init__(self, num_bandits: int, num_arms: int, strategy: str = "ucb", exploration: float = 1.0,
+                 epoch_length: int = 8, max_explore_fraction: float = 0.5):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if num_arms < 1:
+            raise ValueError("a bandit needs at least one arm")
+        self.strategy, self.exploration = strategy, float(exploration)
+        self.epoch_length, self.max_explore_fraction = int(epoch_length), float(max_explore_fraction)
+        self.num_arms = num_arms
+        self.counts = np.zeros((num_bandits, num_arms), dtype=np.int64)  # [N, A] pulls
+        self.sums = np.zeros((num_bandits, num_arms))  # [N, A] raw rewards
+        self._exploring = np.ones(num_bandits, dtype=bool)  # [N] epoch strategy: still in the explore phase
+
+    @property
+    def pulls(self) -> np.ndarray:
+        return self.counts.sum(axis=1)
+
+    def means(self) -> np.ndarray:
+        """[N, A] mean reward divided by the bandit's best arm mean (0 for untried arms)."""
+        raw = self.sums / np.maximum(self.counts, 1)
+        scale = raw.max(axis=1, keepdims=True)
+        return raw / np.where(scale > 0, scale, 1.0)
+
+    def _radius(self) -> np.ndarray:
+        log_t = np.log(np.maximum(self.pulls, 2))[:, None]  # [N, 1]
+        return self.exploration * np.sqrt(log_t / np.maximum(self.counts, 1))
+
+    def choose(self) -> np.ndarray:
+        """[N] the arm each bandit plays next."""
+        untried = self.counts == 0
+        if self.strategy == "ucb":
+            index = np.where(untried, np.inf, self.means() + self._radius())
+            return np.argmax(index, axis=1)
+        return self._choose_epoch(untried)
+
+    def _epoch_position(self) -> tuple[np.ndarray, np.ndarray]:
+        """[N] slot within the current epoch and that epoch's length; epoch e spans
+        epoch_length * 2^e slots starting at epoch_length * (2^e - 1)."""
+        slot = self.pulls
+        epoch = np.floor(np.log2(slot / self.epoch_length + 1.0)).astype(np.int64)
+        start = self.epoch_length * (2 ** epoch - 1)
+        return slot - start, self.epoch_length * 2 ** epoch
+
+    def _choose_epoch(self, untried: np.ndarray) -> np.ndarray:
+        position, length = self._epoch_position()
+        self._exploring |= position == 0  # an epoch starts with exploration
+        means, radius = self.means(), self._radius()
+        best_mean = np.max(np.where(untried, -np.inf, means), axis=1, keepdims=True)  # [N, 1]
+        candidate = untried | (means + radius >= best_mean)  # [N, A]
+        self._exploring &= (candidate.sum(axis=1) > 1) & (position < self.max_explore_fraction * length)
+        self._exploring |= untried.any(axis=1)  # every arm is tried before any commitment
+        fewest = np.argmin(np.where(candidate, self.counts, np.iinfo(np.int64).max), axis=1)  # round robin
+        best = np.argmax(np.where(untried, -np.inf, means), axis=1)
+        return np.where(self._exploring, fewest, best)
+
+    def update(self, bandits: np.ndarray, arms: np.ndarray, rewards: np.ndarray) -> None:
+        """Bandit ``bandits[i]`` played ``arms[i]`` and got ``rewards[i]`` (>= 0, any unit)."""
+        rewards = np.asarray(rewards, dtype=np.float64)
+        keep = np.isfinite(rewards)
+        bandits, arms, rewards = np.asarray(bandits)[keep], np.asarray(arms)[keep], np.maximum(rewards[keep], 0.0)
+        np.add.at(self.counts, (bandits, arms), 1)
+        np.add.at(self.sums, (bandits, arms), rewards)
+
+
+def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
+                     cost_model: CostModel | None = None) -> np.ndarray:
+    """[A] seconds of the step attributed to each active row (``record.rows``), as the module
+    docstring describes. asked: [B] draft lengths the policy planned (after budget caps);
+    lengths: [B] committed lengths when the step was planned."""
+    rows = np.asarray(record.rows, dtype=np.int64)
+    num_active = len(rows)
+    drafter = np.asarray(record.drafter_index, dtype=np.int64)[rows]
+    drafted = np.asarray(record.num_drafted, dtype=np.int64)[rows]
+    wanted = np.asarray(asked, dtype=np.int64)[rows]
+    context = np.asarray(lengths, dtype=np.int64)[rows]
+    times = np.zeros(num_active)
+    if cost_model is None:
+        times += record.verify_time_s / num_active
+    else:
+        c = dict(zip(cost_model.target.features, cost_model.target.coefficients))
+        times += c["fixed"] / num_active + c["rows"] + c["tokens"] * (drafted + 1) + c["kv_tokens"] * (context + drafted)
+    if cost_model is None and record.drafter_time_s is None:  # one pool of draft time
+        if wanted.sum() > 0:
+            times += record.draft_time_s * wanted / wanted.sum()
+        return times
+    for d in np.unique(drafter[wanted > 0]):
+        mine = (drafter == d) & (wanted > 0)
+        if cost_model is None:
+            times[mine] += record.drafter_time_s[d] * wanted[mine] / wanted[mine].sum()
+        else:
+            c = dict(zip(cost_model.drafters[d].features, cost_model.drafters[d].coefficients))
+            shared = c["fixed"] + c["steps"] * wanted[mine].max()
+            times[mine] += (shared / mine.sum() + c["rows"] + c["tokens"] * wanted[mine]
+                            + c["kv_tokens"] * wanted[mine] * context[mine] + c["context_tokens"] * context[mine])
+    return times
+
+
+class BanditPolicy(Policy):
+    def __init__(self, num_draft_tokens: int = 4, strategy: str = "ucb", scope: str = "request",
+                 cost_model: CostModel | None = None, exploration: float = 1.0, epoch_length: int = 8,
+                 max_explore_fraction: float = 0.5):
+        """num_draft_tokens: every row's draft length; strategy: "ucb" or "epoch"; scope:
+        "request" (one bandit per row) or "batch" (one drafter for the whole batch per step);
+        cost_model: attribute predicted rather than measured times (optional)."""
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
+            raise ValueError(f"BanditPolicy's num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+        self.num_draft_tokens = int(num_draft_tokens)
+        self.strategy, self.scope, self.cost_model = strategy, scope, cost_model
+        self._options = {"strategy": strategy, "exploration": exploration, "epoch_length": epoch_length,
+                         "max_explore_fraction": max_explore_fraction}
+        self.bandits: BanditState | None = None
+        self._batch = None
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_draft_tokens
+
+    def plan(self, batch, num_drafters):
+        if num_drafters < 1:
+            raise ValueError(f"{self!r} chooses among drafters but generate() was given none")
+        if self.cost_model is not None and self.cost_model.num_drafters < num_drafters:
+            raise ValueError(f"{self!r}: the cost model times {self.cost_model.num_drafters} drafter(s), "
+                             f"generate() was given {num_drafters}")
+        num_bandits = batch.num_rows if self.scope == "request" else 1
+        fresh = self.bandits is None or self.bandits.num_arms != num_drafters
+        if fresh or (self.scope == "request" and batch is not self._batch):
+            self.bandits = BanditState(num_bandits, num_drafters, **self._options)
+        self._batch = batch
+        arms = self.bandits.choose()
+        self._arms = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)
+        self._asked = np.minimum(self.num_draft_tokens, np.maximum(batch.remaining - 1, 0))
+        self._lengths = batch.lengths.copy()
+        return Plan(drafter_index=self._arms.copy(), num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens, dtype=np.int64))
+
+    def observe(self, record: StepRecord) -> None:
+        rows = np.asarray(record.rows, dtype=np.int64)
+        if self.bandits is None or len(rows) == 0:
+            return
+        seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)  # [A]
+        emitted = np.asarray(record.num_emitted, dtype=np.float64)[rows]
+        if self.scope == "request":
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rewards = np.where(seconds > 0, emitted / seconds, np.nan)
+            self.bandits.update(rows, self._arms[rows], rewards)
+        else:
+            total = seconds.sum()
+            self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [emitted.sum() / total if total > 0 else np.nan])
+
+    def __repr__(self) -> str:
+        return f"BanditPolicy(num_draft_tokens={self.num_draft_tokens}, strategy={self.strategy!r}, scope={self.scope!r})"
