@@ -1,0 +1,262 @@
+"""GoodputPolicy: per-request draft lengths that maximise predicted goodput (SmartSpec, Liu et al.
+2024, arXiv 2406.14066, later titled TurboSpec; ALGORITHMS.md §3).
+
+Before each step (or every ``decide_every`` steps), over the active rows i with committed
+lengths L_i, choose draft lengths k_i in 0..min(max_draft_tokens, remaining_i - 1) to maximise
+
+    G(k) = sum_i E[tau_i](k_i) / T_step(k),
+
+E[tau_i](k) = 1 + sum_{j<k} g_ij with g_ij = coverage_i * prod_{l<=j} a_il the expected tokens the
+j-th draft token adds (acceptance.py; i.i.d. a_il = alpha_i by default), and T_step the
+CostModel's prediction, which is linear in the lengths once their maximum m (the drafter's
+sequential passes) is fixed:
+
+    T(k) = T_0 + [any k_i > 0] (d_fixed + d_steps * m) + sum_i (f_i [k_i > 0] + c_i k_i),
+
+with f_i = d_rows + d_ctx L_i the cost of drafting for row i at all and c_i = c_tok + c_kv +
+d_tokens + d_kv L_i the cost of each of its draft tokens.
+
+Searches:
+- "exact" (default): for each depth m = 1..K, Dinkelbach's method on the ratio; with m fixed the
+  problem max_k N(k) - lambda T(k) separates over rows and each row's best k is found by
+  enumeration, so every iteration is exact and the iteration converges to the optimum ratio.
+  The best m wins. This is the global optimum of G under the model. Cost O(K^2 A) per iteration,
+  a few iterations: vectorised numpy, well under a millisecond for A = 64.
+- "greedy": start from k = 0 and repeatedly add one token to the row whose addition gives the
+  highest goodput, while goodput improves (the joint per-request choice ALGORITHMS.md asks
+  for). Guarantee: the marginal gains g_ij never increase with j, so when every added token
+  costs the same time (equal c_i) and there are no per-row, per-pass or fixed drafting terms
+  (f_i = d_steps = d_fixed = 0), greedy is exact: for each total it holds the largest gains,
+  and G over totals rises then falls, so stopping at the first non-improvement is optimal.
+  Otherwise it is a heuristic (it can stop short when one token does not pay for a drafter
+  pass but several would); tests measure how close it gets. Cost O(K A^2) per decision.
+- "uniform": one k for every row (k capped per row by its budget), enumerated 0..K.
+
+Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
+every row decodes plainly this step. Acceptance is re-estimated after every step (EMA 0.85/0.15
+or a window of 100 steps, cold start at ``prior``); rows that stop drafting keep their last
+estimate, so speculation comes back only when the batch or the context changes the trade-off.
+
+Invariant: the policy changes only how many tokens are drafted; output is the target's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..stats import StepRecord
+from ..types import Plan
+from .acceptance import AcceptanceEstimator, marginal_gains
+from .base import Policy
+from .cost_model import CostModel
+
+SEARCHES = ("exact", "greedy", "uniform")
+
+
+@dataclass
+class LinearStepTime:
+    """T(k) = base + [any k > 0] (draft_fixed + depth_cost * max k) + sum_i (row_cost_i [k_i > 0]
+    + token_cost_i k_i) over the active rows."""
+
+    base: float
+    token_cost: np.ndarray  # [A]
+    row_cost: np.ndarray | float = 0.0  # [A] or one for all rows
+    draft_fixed: float = 0.0
+    depth_cost: float = 0.0
+
+    def __call__(self, k: np.ndarray) -> np.ndarray:
+        """k: [..., A] -> [...] seconds."""
+        k = np.asarray(k)
+        drafting = (k > 0).any(axis=-1)
+        per_row = (self.row_cost * (k > 0) + self.token_cost * k).sum(axis=-1)
+        return self.base + per_row + drafting * (self.draft_fixed + self.depth_cost * k.max(axis=-1, initial=0))
+
+    @classmethod
+    def from_cost_model(cls, cost_model: CostModel, lengths: np.ndarray, drafter_index: int = 0) -> LinearStepTime:
+        """The CostModel's step time over active rows of committed ``lengths`` [A], all drafting
+        with drafter ``drafter_index``."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        num_rows = len(lengths)
+        target = dict(zip(cost_model.target.features, cost_model.target.coefficients))
+        drafter = dict(zip(cost_model.drafters[drafter_index].features, cost_model.drafters[drafter_index].coefficients)) \
+            if drafter_index < cost_model.num_drafters else None
+        if drafter is None:
+            raise ValueError(f"the cost model times {cost_model.num_drafters} drafter(s), not drafter {drafter_index}")
+        base = float(cost_model.target_time(num_rows, lengths.sum(), num_rows))
+        token_cost = target["tokens"] + target["kv_tokens"] + drafter["tokens"] + drafter["kv_tokens"] * lengths
+        row_cost = drafter["rows"] + drafter["context_tokens"] * lengths
+        return cls(base=base, token_cost=token_cost, row_cost=row_cost, draft_fixed=drafter["fixed"],
+                   depth_cost=drafter["steps"])
+
+
+def _numerator(gains: np.ndarray, k: np.ndarray) -> float:
+    """sum_i E[tau_i](k_i) with gains [A, K]."""
+    cumulative = np.concatenate([np.zeros((len(k), 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
+    return float(len(k) + cumulative[np.arange(len(k)), k].sum())
+
+
+def goodput_of(gains: np.ndarray, k: np.ndarray, step_time: LinearStepTime) -> float:
+    return _numerator(gains, np.asarray(k, dtype=np.int64)) / float(step_time(np.asarray(k)))
+
+
+def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12) -> np.ndarray:
+    """argmax_k G(k) with 0 <= k_i <= caps_i: Dinkelbach per depth (module docstring).
+    gains: [A, K] non-increasing along K; caps: [A]."""
+    num_rows, max_k = gains.shape
+    best_k = np.zeros(num_rows, dtype=np.int64)
+    best = goodput_of(gains, best_k, step_time)
+    cumulative = np.concatenate([np.zeros((num_rows, 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
+    lengths = np.arange(max_k + 1)
+    start_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))  # [A]
+    row_cost = np.where(lengths > 0, start_cost[:, None], 0.0) + step_time.token_cost[:, None] * lengths  # [A, K+1]
+    for depth in range(1, min(max_k, int(caps.max(initial=0))) + 1):
+        allowed = lengths[None, :] <= np.minimum(caps, depth)[:, None]  # [A, K+1]
+        fixed = step_time.base + step_time.draft_fixed + step_time.depth_cost * depth
+        ratio = best
+        for _ in range(100):
+            value = np.where(allowed, cumulative - ratio * row_cost, -np.inf)
+            k = np.argmax(value, axis=1)  # first maximum: the shorter draft on ties
+            numerator = num_rows + cumulative[np.arange(num_rows), k].sum()
+            new_ratio = numerator / (fixed + row_cost[np.arange(num_rows), k].sum())
+            if new_ratio <= ratio * (1 + tolerance):
+                break
+            ratio = new_ratio
+        if k.any():
+            achieved = goodput_of(gains, k, step_time)  # max k may be below depth: true time is lower
+            if achieved > best * (1 + tolerance):
+                best, best_k = achieved, k
+    return best_k
+
+
+def search_greedy(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12) -> np.ndarray:
+    """Add one token at a time to the row that raises G most, while G rises (module docstring)."""
+    num_rows, max_k = gains.shape
+    caps = np.minimum(caps, max_k)
+    k = np.zeros(num_rows, dtype=np.int64)
+    numerator, seconds = float(num_rows), float(step_time(k))
+    rows = np.arange(num_rows)
+    padded = np.concatenate([gains, np.zeros((num_rows, 1))], axis=1)  # [A, K+1]
+    while True:
+        open_rows = k < caps
+        if not open_rows.any():
+            return k
+        drafting = k.any()
+        depth = k.max()
+        extra = step_time.token_cost + np.where(k == 0, step_time.row_cost, 0.0)
+        extra = extra + np.where(k == depth, step_time.depth_cost, 0.0) + (0.0 if drafting else step_time.draft_fixed)
+        candidate = np.where(open_rows, (numerator + padded[rows, k]) / (seconds + extra), -np.inf)
+        row = int(np.argmax(candidate))
+        if candidate[row] <= (numerator / seconds) * (1 + tolerance):
+            return k
+        numerator += padded[row, k[row]]
+        seconds += extra[row]
+        k[row] += 1
+
+
+def search_uniform(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12) -> np.ndarray:
+    """The best single k for every row (capped per row), enumerated."""
+    num_rows, max_k = gains.shape
+    best_k = np.zeros(num_rows, dtype=np.int64)
+    best = goodput_of(gains, best_k, step_time)
+    for length in range(1, max_k + 1):
+        k = np.minimum(caps, length).astype(np.int64)
+        value = goodput_of(gains, k, step_time)
+        if value > best * (1 + tolerance):
+            best, best_k = value, k
+    return best_k
+
+
+SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": search_uniform}
+
+
+def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, search: str = "exact",
+                   min_gain: float = 0.10) -> tuple[np.ndarray, float, float]:
+    """Draft lengths [A] by ``search``, or all zeros unless they beat plain decoding by
+    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding."""
+    gains = np.asarray(gains, dtype=np.float64)
+    caps = np.minimum(np.asarray(caps, dtype=np.int64), gains.shape[1])
+    zeros = np.zeros(len(caps), dtype=np.int64)
+    plain = goodput_of(gains, zeros, step_time)
+    if len(caps) == 0 or caps.max() <= 0:
+        return zeros, plain, plain
+    k = SEARCH_FUNCTIONS[search](gains, caps, step_time)
+    chosen = goodput_of(gains, k, step_time)
+    if chosen < (1.0 + min_gain) * plain:
+        return zeros, plain, plain
+    return k, chosen, plain
+
+
+class GoodputPolicy(Policy):
+    def __init__(self, cost_model: CostModel, max_draft_tokens: int = 8, search: str = "exact", drafter_index: int = 0,
+                 min_gain: float = 0.10, decide_every: int = 1, prior: float = 0.5, estimator: str = "ema",
+                 window: int = 100, per_position: bool = False):
+        """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);
+        search: "exact", "greedy" (per-row lengths) or "uniform" (one length for the batch);
+        min_gain: how much speculation must beat plain decoding by; decide_every: steps between
+        decisions (lengths are kept, capped by each row's budget, in between); prior, estimator
+        ("ema" or "window"), window: acceptance estimation; per_position: use per-position
+        acceptance rates (a position a row has never reached keeps the prior) rather than one
+        rate per row."""
+        if not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
+        if search not in SEARCHES:
+            raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+        if not 0 <= drafter_index < cost_model.num_drafters:
+            raise ValueError(f"drafter_index {drafter_index} is not timed by the cost model ({cost_model.num_drafters} drafter(s))")
+        if min_gain < 0 or decide_every < 1:
+            raise ValueError(f"need min_gain >= 0 and decide_every >= 1, got {min_gain!r} and {decide_every!r}")
+        self.cost_model, self.search, self.drafter_index = cost_model, search, int(drafter_index)
+        self._max_draft_tokens = int(max_draft_tokens)
+        self.min_gain, self.decide_every, self.per_position = float(min_gain), int(decide_every), per_position
+        self._estimator_options = {"prior": prior, "mode": estimator, "window": window}
+        self.estimator: AcceptanceEstimator | None = None
+        self._batch = None
+        self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self._max_draft_tokens
+
+    def plan(self, batch, num_drafters):
+        if self.drafter_index >= num_drafters:
+            raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
+        if batch is not self._batch:
+            self._batch, self._steps = batch, 0
+            self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
+            self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
+        caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
+        if self._steps % self.decide_every == 0:
+            self._lengths = self._decide(batch, caps)
+        self._steps += 1
+        self._asked = np.minimum(self._lengths, caps)
+        return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
+                    num_draft_tokens=self._asked.copy())
+
+    def _decide(self, batch, caps: np.ndarray) -> np.ndarray:
+        active = batch.active_rows()
+        lengths = np.zeros(batch.num_rows, dtype=np.int64)
+        if len(active) == 0:
+            return lengths
+        if self.per_position:
+            rates = self.estimator.position_rates(self.drafter_index)[active]  # [A, K]
+        else:
+            alpha = self.estimator.rate(self.drafter_index)[active]
+            rates = np.repeat(alpha[:, None], self.max_draft_tokens, axis=1)
+        gains = marginal_gains(rates) * self.estimator.coverage(self.drafter_index)[active][:, None]  # [A, K]
+        step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
+        chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
+            gains, caps[active], step_time, self.search, self.min_gain)
+        lengths[active] = chosen
+        return lengths
+
+    def observe(self, record: StepRecord) -> None:
+        if self.estimator is not None:
+            self.estimator.update(record, asked=self._asked)
+
+    def __repr__(self) -> str:
+        return (f"GoodputPolicy(max_draft_tokens={self.max_draft_tokens}, search={self.search!r}, "
+                f"drafter_index={self.drafter_index}, min_gain={self.min_gain})")
