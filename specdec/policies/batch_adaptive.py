@@ -1,0 +1,137 @@
+"""BatchAdaptivePolicy: the draft length that suits the batch size, from a table built once
+(Su, Giannoula, Pekhimenko 2023, "The Synergy of Speculative Decoding and Batching in Serving
+Large Language Models", arXiv 2310.18813; ALGORITHMS.md §4).
+
+At small batch the target's step is memory-bound, so verifying more tokens is nearly free and
+long drafts win; at large batch verification becomes compute-bound and long drafts cost more
+than they return. For each batch size b of a menu, with l(s) the expected tokens a row emits
+per step when drafting s tokens (measured tau per length, or the i.i.d. formula from an
+acceptance rate) and T(b, s) = s * T_draft(b) + T_target(b, s + 1) the round time,
+
+    s*(b) = argmax_s b * l(s) / T(b, s)      (ties: the shorter draft).
+
+``build_table`` computes this for every b; each step the policy looks up the number of active
+rows: the entry of the largest tabulated batch size not above it (the smallest entry when it is
+below them all). With a CostModel, T(b, s) is the model's drafter time for b rows drafting s
+tokens plus its verify time for b rows of s + 1 tokens at a stated context length (the paper's
+known gap: the table ignores how context length moves the optimum).
+
+Invariant: the policy changes only how many tokens are drafted; output is the target's own.
+Cost: a dictionary lookup per step; the table costs |batch sizes| x |lengths| predictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..types import Plan
+from .acceptance import expected_emitted
+from .base import Policy
+from .cost_model import CostModel
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def cost_model_round_time(cost_model: CostModel, context_len: int, drafter_index: int = 0) -> Callable[[int, int], float]:
+    """T(b, s): drafter ``drafter_index`` drafting s tokens for b rows, then the target verifying
+    s + 1 tokens per row, every row holding ``context_len`` committed tokens."""
+    if not 0 <= drafter_index < cost_model.num_drafters:
+        raise ValueError(f"the cost model times {cost_model.num_drafters} drafter(s), not drafter {drafter_index}")
+
+    def round_time(batch_size: int, length: int) -> float:
+        lengths = np.full(batch_size, context_len)
+        return cost_model.step_time(lengths, np.full(batch_size, length), drafter_index)
+
+    return round_time
+
+
+def expected_tokens_from_rate(acceptance_rate: float, draft_lengths: Sequence[int]) -> dict[int, float]:
+    """l(s) = (1 - a^(s+1)) / (1 - a) for every length of the menu."""
+    return {int(s): float(expected_emitted(acceptance_rate, s)) for s in draft_lengths}
+
+
+def build_table(batch_sizes: Sequence[int], expected_tokens: Mapping[int, float],
+                round_time: Callable[[int, int], float]) -> dict[int, int]:
+    """{b: s*(b)} over the lengths s of ``expected_tokens`` (l(s), with l(0) = 1 for plain
+    decoding if not given) and round times ``round_time(b, s)`` in seconds."""
+    tokens = {0: 1.0, **{int(s): float(v) for s, v in expected_tokens.items()}}
+    lengths = np.array(sorted(tokens))
+    per_row = np.array([tokens[s] for s in lengths])  # [S]
+    if np.any(lengths < 0) or np.any(per_row <= 0):
+        raise ValueError("draft lengths must be >= 0 and expected tokens > 0")
+    table = {}
+    for b in sorted({int(b) for b in batch_sizes}):
+        if b < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {b}")
+        seconds = np.array([round_time(b, int(s)) for s in lengths])  # [S]
+        if np.any(seconds <= 0):
+            raise ValueError(f"round times must be positive; got {seconds} at batch size {b}")
+        throughput = b * per_row / seconds
+        table[b] = int(lengths[np.argmax(throughput)])  # first maximum: the shorter draft
+    return table
+
+
+def lookup(table: Mapping[int, int], num_rows: int) -> int:
+    """The entry of the largest batch size <= num_rows (the smallest batch size's below them all)."""
+    sizes = sorted(table)
+    below = [b for b in sizes if b <= num_rows]
+    return int(table[below[-1] if below else sizes[0]])
+
+
+def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[int], max_new_tokens: int = 32,
+                            **generate_options) -> dict[int, float]:
+    """A short profile: l(s) = measured tau of generate() with FixedPolicy(s), for each s."""
+    from ..generate import generate  # the loop imports the policies package
+    from .fixed import FixedPolicy
+
+    measured = {}
+    for s in draft_lengths:
+        out = generate(target, prompts, drafter=drafter, policy=FixedPolicy(int(s)), max_new_tokens=max_new_tokens,
+                       **generate_options)
+        measured[int(s)] = float(out.stats.tau)
+    return measured
+
+
+class BatchAdaptivePolicy(Policy):
+    def __init__(self, table: Mapping[int, int], drafter_index: int = 0):
+        """table: batch size -> draft length (``build_table`` or ``from_cost_model``);
+        drafter_index: the drafter every row uses."""
+        if not table:
+            raise ValueError("BatchAdaptivePolicy needs a non-empty table batch size -> draft length")
+        for b, s in table.items():
+            if int(b) < 1 or int(s) < 0:
+                raise ValueError(f"table entries must map batch sizes >= 1 to lengths >= 0, got {b!r}: {s!r}")
+        if drafter_index < 0:
+            raise ValueError(f"drafter_index must be >= 0, got {drafter_index!r}")
+        self.table = {int(b): int(s) for b, s in table.items()}
+        self.drafter_index = int(drafter_index)
+
+    @classmethod
+    def from_cost_model(cls, cost_model: CostModel, expected_tokens: Mapping[int, float] | None = None,
+                        acceptance_rate: float | None = None, draft_lengths: Sequence[int] = tuple(range(9)),
+                        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, context_len: int = 512,
+                        drafter_index: int = 0) -> BatchAdaptivePolicy:
+        """The table from a cost model and either measured l(s) (``expected_tokens``, e.g. from
+        ``profile_expected_tokens``) or an ``acceptance_rate`` for the lengths ``draft_lengths``."""
+        if (expected_tokens is None) == (acceptance_rate is None):
+            raise ValueError("give either expected_tokens (measured tau per draft length) or acceptance_rate")
+        if expected_tokens is None:
+            expected_tokens = expected_tokens_from_rate(acceptance_rate, draft_lengths)
+        round_time = cost_model_round_time(cost_model, context_len, drafter_index)
+        return cls(build_table(batch_sizes, expected_tokens, round_time), drafter_index=drafter_index)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return max(self.table.values())
+
+    def plan(self, batch, num_drafters):
+        length = lookup(self.table, len(batch.active_rows()))
+        if length > 0 and self.drafter_index >= num_drafters:
+            raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
+        return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
+                    num_draft_tokens=np.full(batch.num_rows, length, dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return f"BatchAdaptivePolicy(table={self.table}, drafter_index={self.drafter_index})"

@@ -1,0 +1,102 @@
+"""BatchAdaptivePolicy's table (Synergy): s*(b) = argmax_s b l(s) / T(b, s) equals brute force on
+random synthetic profiles; a cost model shaped like a real GPU (memory-bound at small batch,
+compute-bound at large) gives long drafts at small batch and short ones at large; lookups take
+the largest tabulated batch size not above the active rows."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from specdec.policies.acceptance import expected_emitted
+from specdec.policies.batch_adaptive import (
+    BatchAdaptivePolicy,
+    build_table,
+    cost_model_round_time,
+    expected_tokens_from_rate,
+    lookup,
+)
+from specdec.policies.cost_model import CostModel
+
+
+def brute_force_table(batch_sizes, expected_tokens, draft_time, target_time):
+    """Nested loops over the paper's formula T(b, s) = s T_draft(b) + T_target(b, s + 1);
+    ties to the shorter draft."""
+    table = {}
+    for b in batch_sizes:
+        best_length, best_rate = None, -1.0
+        for s in sorted({0, *expected_tokens}):
+            tokens = 1.0 if s == 0 else expected_tokens[s]
+            rate = b * tokens / (s * draft_time(b) + target_time(b, s + 1))
+            if rate > best_rate:
+                best_length, best_rate = s, rate
+        table[b] = best_length
+    return table
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_table_equals_brute_force_on_random_profiles(seed):
+    rng = np.random.default_rng(seed)
+    lengths = sorted(rng.choice(np.arange(1, 9), size=int(rng.integers(1, 6)), replace=False).tolist())
+    if rng.random() < 0.5:  # measured tau per length: increasing, with noise
+        expected = {s: 1.0 + float(np.sum(rng.uniform(0.2, 1.0, size=s))) for s in lengths}
+    else:
+        expected = expected_tokens_from_rate(rng.uniform(0, 1), lengths)
+    draft_fixed, draft_per_row = rng.uniform(0.1, 2.0), rng.uniform(0, 0.1)
+    target_fixed, target_per_token = rng.uniform(1.0, 10.0), rng.uniform(0.001, 0.5)
+    batch_sizes = [1, 2, 3, 4, 8, 16, 32, 64, 128]
+
+    def draft_time(b):
+        return draft_fixed + draft_per_row * b
+
+    def target_time(b, tokens_per_row):
+        return target_fixed + target_per_token * b * tokens_per_row
+
+    table = build_table(batch_sizes, expected, lambda b, s: s * draft_time(b) + target_time(b, s + 1))
+    assert table == brute_force_table(batch_sizes, expected, draft_time, target_time)
+
+
+def test_cost_model_table_shortens_drafts_as_the_batch_grows():
+    """A target of 10 ms plus 0.04 ms per token (memory-bound at small batch, compute-bound at
+    large) and a drafter pass of 1 ms plus 0.01 ms per drafted token, acceptance 0.8: long
+    drafts at batch 1 (>= 4), none at batch 512, never longer as the batch grows; every entry
+    equals brute force over the cost model's own step time."""
+    model = CostModel.from_coefficients(c_fixed=10e-3, c_tok=4e-5, c_kv=1e-8,
+                                        drafters=[{"steps": 1e-3, "tokens": 1e-5}])
+    batch_sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    policy = BatchAdaptivePolicy.from_cost_model(model, acceptance_rate=0.8, draft_lengths=range(9),
+                                                 batch_sizes=batch_sizes, context_len=256)
+    table = policy.table
+    assert table[1] >= 4 and table[512] == 0, table
+    assert all(table[a] >= table[b] for a, b in itertools.pairwise(batch_sizes)), table
+    for b in batch_sizes:
+        rates = [b * float(expected_emitted(0.8, s)) / model.step_time(np.full(b, 256), np.full(b, s)) for s in range(9)]
+        assert table[b] == int(np.argmax(rates))
+    assert policy.max_draft_tokens == table[1]
+
+
+def test_round_time_is_the_papers_formula():
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.1, c_kv=0.001, drafters=[{"steps": 0.5, "rows": 0.01}])
+    round_time = cost_model_round_time(model, context_len=100)
+    # s passes of 0.5 s, a per-row term of 0.01 s, then the target over b (s + 1) tokens
+    assert round_time(4, 3) == pytest.approx(3 * 0.5 + 0.01 * 4 + 1.0 + 0.1 * 4 * 4 + 0.001 * 4 * 103)
+    assert round_time(4, 0) == pytest.approx(1.0 + 0.1 * 4 + 0.001 * 4 * 100)
+
+
+@pytest.mark.parametrize("num_rows,expected", [(1, 5), (2, 5), (3, 5), (4, 3), (7, 3), (8, 1), (100, 0), (0, 5)])
+def test_lookup_takes_the_floor_entry(num_rows, expected):
+    table = {2: 5, 4: 3, 8: 1, 64: 0}
+    assert lookup(table, num_rows) == expected
+
+
+def test_bad_tables():
+    with pytest.raises(ValueError):
+        BatchAdaptivePolicy({})
+    with pytest.raises(ValueError):
+        BatchAdaptivePolicy({0: 3})
+    with pytest.raises(ValueError):
+        build_table([1], {2: 0.0}, lambda b, s: 1.0)
+    with pytest.raises(ValueError, match="either"):
+        BatchAdaptivePolicy.from_cost_model(CostModel.from_coefficients(1.0, 0.1, drafters=[{}]))
