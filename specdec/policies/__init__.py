@@ -1,6 +1,27 @@
 """Policies: which drafter each row uses and how many tokens it drafts, step by step."""
 
+from .acceptance import AcceptanceEstimator, expected_emitted, expected_emitted_table
+from .bandit import BanditPolicy, BanditState
 from .base import Policy
+from .batch_adaptive import BatchAdaptivePolicy, build_table, profile_expected_tokens
+from .cost_model import CostModel, LinearTimeModel, ProfileGrid, profile
 from .fixed import FixedPolicy
+from .goodput import GoodputPolicy
 
-__all__ = ["Policy", "FixedPolicy"]
+__all__ = [
+    "AcceptanceEstimator",
+    "BanditPolicy",
+    "BanditState",
+    "BatchAdaptivePolicy",
+    "CostModel",
+    "FixedPolicy",
+    "GoodputPolicy",
+    "LinearTimeModel",
+    "Policy",
+    "ProfileGrid",
+    "build_table",
+    "expected_emitted",
+    "expected_emitted_table",
+    "profile",
+    "profile_expected_tokens",
+]
