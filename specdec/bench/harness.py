@@ -132,6 +132,7 @@ def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
 
     def attempt(method, family, batch, measure) -> BenchRow | None:
         """Run one method; a failure becomes a row saying so instead of ending the run."""
+        started_method[0] = time.perf_counter()
         try:
             return measure()
         except Exception as error:  # noqa: BLE001 - reported in the results, not swallowed
@@ -142,7 +143,8 @@ def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
             return None
 
     def part() -> dict:
-        return {"zoo": zoo.manifest["models"], "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]}
+        ordered = sorted(rows, key=lambda r: (r.family != "specdec", r.batch))  # stable: methods keep their order
+        return {"zoo": zoo.manifest["models"], "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in ordered]}
 
     def add(row: BenchRow | None) -> None:
         if row is None:
@@ -151,9 +153,13 @@ def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
         if progress is not None:
             progress(part())
         log(f"{row.method:<42} batch {row.batch:>3}: {row.tokens_per_s:10.1f} tok/s"
-            f"{'' if row.tau is None else f', tau {row.tau:.2f}'}, identical: {'yes' if row.identical else 'NO'}")
+            f"{'' if row.tau is None else f', tau {row.tau:.2f}'}, "
+            f"identical: {({True: 'yes', False: 'NO', None: 'reference'})[row.identical]} "
+            f"({time.perf_counter() - started_method[0]:.0f} s with warm-up)")
 
-    for batch in settings.batch_sizes:
+    started_method = [time.perf_counter()]
+    # largest batch first: its runners (caches, compiled and captured graphs) serve the smaller ones
+    for batch in sorted(settings.batch_sizes, reverse=True):
         # batch 1: a few prompts one call at a time; batch B: the prompt set in calls of B
         chosen = prompts[: settings.batch1_prompts] if batch == 1 else prompts[: max(batch, settings.num_prompts)]
         measured = {}
