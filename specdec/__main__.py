@@ -79,7 +79,7 @@ def _bench(args) -> int:
     if args.quick:
         settings.batch_sizes, settings.num_prompts, settings.batch1_prompts = (1, 16), 16, 4
         settings.max_new_tokens = min(settings.max_new_tokens, 64)
-        settings.bandwidth_shapes = ("llama-8B",)
+        settings.bandwidth_shapes, settings.repeats = ("llama-8B",), 1
     stem = f"bench_{args.preset}_{args.device.split(':')[0]}_{time.strftime('%Y%m%d_%H%M%S')}"
     partial = Path(args.out) / f"{stem}.partial.json"
     partial.parent.mkdir(parents=True, exist_ok=True)
