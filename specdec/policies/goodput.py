@@ -102,32 +102,41 @@ def goodput_of(gains: np.ndarray, k: np.ndarray, step_time: LinearStepTime) -> f
 
 
 def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12) -> np.ndarray:
-    """argmax_k G(k) with 0 <= k_i <= caps_i: Dinkelbach per depth (module docstring).
-    gains: [A, K] non-increasing along K; caps: [A]."""
+    """argmax_k G(k) with 0 <= k_i <= caps_i: Dinkelbach per depth (module docstring), every
+    depth iterated at once ([depths, rows, lengths] arrays: a handful of numpy calls per
+    iteration, not per depth). gains: [A, K] non-increasing along K; caps: [A]."""
     num_rows, max_k = gains.shape
     best_k = np.zeros(num_rows, dtype=np.int64)
     best = goodput_of(gains, best_k, step_time)
+    max_depth = min(max_k, int(caps.max(initial=0)))
+    if max_depth < 1:
+        return best_k
     cumulative = np.concatenate([np.zeros((num_rows, 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
     lengths = np.arange(max_k + 1)
     start_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))  # [A]
     row_cost = np.where(lengths > 0, start_cost[:, None], 0.0) + step_time.token_cost[:, None] * lengths  # [A, K+1]
-    for depth in range(1, min(max_k, int(caps.max(initial=0))) + 1):
-        allowed = lengths[None, :] <= np.minimum(caps, depth)[:, None]  # [A, K+1]
-        fixed = step_time.base + step_time.draft_fixed + step_time.depth_cost * depth
-        ratio = best
-        for _ in range(100):
-            value = np.where(allowed, cumulative - ratio * row_cost, -np.inf)
-            k = np.argmax(value, axis=1)  # first maximum: the shorter draft on ties
-            numerator = num_rows + cumulative[np.arange(num_rows), k].sum()
-            new_ratio = numerator / (fixed + row_cost[np.arange(num_rows), k].sum())
-            if new_ratio <= ratio * (1 + tolerance):
-                break
-            ratio = new_ratio
-        if k.any():
-            achieved = goodput_of(gains, k, step_time)  # max k may be below depth: true time is lower
-            if achieved > best * (1 + tolerance):
-                best, best_k = achieved, k
-    return best_k
+    depths = np.arange(1, max_depth + 1)  # [M]
+    allowed = lengths[None, None, :] <= np.minimum(caps[None, :], depths[:, None])[:, :, None]  # [M, A, K+1]
+    masked = np.where(allowed, cumulative[None], -np.inf)  # [M, A, K+1]
+    fixed = step_time.base + step_time.draft_fixed + step_time.depth_cost * depths  # [M]
+    rows = np.arange(num_rows)[None, :]  # [1, A]
+    ratio = np.full(len(depths), best)  # [M]
+    chosen = np.zeros((len(depths), num_rows), dtype=np.int64)  # [M, A]
+    running = np.ones(len(depths), dtype=bool)  # [M] depths still iterating
+    for _ in range(100):
+        k = np.argmax(masked - ratio[:, None, None] * row_cost[None], axis=2)  # [M, A] first maximum: shorter on ties
+        chosen[running] = k[running]
+        new_ratio = (num_rows + cumulative[rows, k].sum(axis=1)) / (fixed + row_cost[rows, k].sum(axis=1))  # [M]
+        running &= new_ratio > ratio * (1 + tolerance)
+        if not running.any():
+            break
+        ratio = np.where(running, new_ratio, ratio)
+    # the achieved goodput of each depth's choice (its max k may be below the depth: true time is lower)
+    achieved = (num_rows + cumulative[rows, chosen].sum(axis=1)) / step_time(chosen)  # [M]
+    for m in range(len(depths)):
+        if chosen[m].any() and achieved[m] > best * (1 + tolerance):
+            best, best_k = float(achieved[m]), chosen[m]
+    return best_k.copy()
 
 
 def search_greedy(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12) -> np.ndarray:
@@ -254,7 +263,9 @@ class GoodputPolicy(Policy):
         return lengths
 
     def observe(self, record: StepRecord) -> None:
-        if self.estimator is not None:
+        # a step in which no row was asked to draft teaches the estimator nothing (no trial, no
+        # coverage change): skip the update, so plain decoding chosen by the policy stays cheap
+        if self.estimator is not None and self._asked.any():
             self.estimator.update(record, asked=self._asked)
 
     def __repr__(self) -> str:
