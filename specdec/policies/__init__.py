@@ -1,6 +1,11 @@
 """Policies: which drafter each row uses and how many tokens it drafts, step by step."""
 
-from .acceptance import AcceptanceEstimator, expected_emitted, expected_emitted_table
+from .acceptance import (
+    AcceptanceEstimator,
+    expected_emitted,
+    expected_emitted_table,
+    rate_from_expected_tokens,
+)
 from .bandit import BanditPolicy, BanditState
 from .base import Policy
 from .batch_adaptive import BatchAdaptivePolicy, build_table, profile_expected_tokens
@@ -24,4 +29,5 @@ __all__ = [
     "expected_emitted_table",
     "profile",
     "profile_expected_tokens",
+    "rate_from_expected_tokens",
 ]

@@ -42,6 +42,19 @@ def expected_emitted(rate, num_draft_tokens):
     return np.where(near_one, k + 1.0, (1.0 - safe ** (k + 1.0)) / (1.0 - safe))
 
 
+def rate_from_expected_tokens(expected_tokens, grid_points: int = 1001) -> float:
+    """The i.i.d. acceptance rate a whose E[tau](s) = (1 - a^(s+1)) / (1 - a) best matches
+    measured tokens per step ``expected_tokens`` {s: tau(s)} (least squares over a grid of a in
+    [0, 1]): a prior for the estimators from a short profile."""
+    lengths = np.array([int(s) for s in expected_tokens], dtype=np.float64)
+    measured = np.array([float(v) for v in expected_tokens.values()])
+    if len(lengths) == 0:
+        raise ValueError("need measured tokens per step for at least one draft length")
+    rates = np.linspace(0.0, 1.0, grid_points)[:, None]  # [R, 1]
+    error = ((expected_emitted(rates, lengths[None, :]) - measured[None, :]) ** 2).sum(axis=1)
+    return float(rates[np.argmin(error), 0])
+
+
 def marginal_gains(position_rates: np.ndarray) -> np.ndarray:
     """[..., K] conditional rates -> [..., K] expected tokens the j-th draft token adds,
     prod_{i<=j} a_i (non-increasing in j, since every a_i <= 1)."""

@@ -25,10 +25,19 @@ come from all points.
 ``profile()`` measures the real runner: the target's packed forward over synthetic layouts (batch
 sizes x tokens per row x context lengths) and each drafter's propose step (batch sizes x draft
 lengths x context lengths, a batch of exactly b rows each), the median of a few repeats,
-synchronising the device around every timing. The target runs eagerly (no CUDA graphs), as
-generate() does by default. The default grid took 16 s on an H200 for a 42M-parameter bf16
-Llama target, a 10M drafter and prompt lookup (drafter fits: R^2 0.98 and 0.99; the target's
-eager pass was launch-bound at every grid point, about 7 ms, so its fit was flat, 15% error);
+synchronising the device around every timing. By default the target runs eagerly (no CUDA
+graphs), as generate() does by default; ``profile(..., cuda_graphs=True, compile=...)`` times it
+through the runner generate(..., cuda_graphs=True, compile=...) uses instead (the runner kept
+with the model, ``runner_for(role="target")``: it is reused, not rebuilt, when an earlier call
+made one that covers the grid, and generate() reuses the one profile() leaves). Drafters are
+timed as they are configured: a ``ModelDrafter(model, cuda_graphs=True, compile=True)`` proposes
+through its graphs. ``step_overhead=True`` also measures what a decoding step costs beyond the
+target's forward (the loop's host work: planning, verifying, committing; measured with plain
+decoding through generate() at the grid's smallest and largest batch) and adds it to the
+target's fixed term, so predicted step times are whole steps. The default grid took 16 s on an
+H200 for a 42M-parameter bf16 Llama target, a 10M drafter and prompt lookup (drafter fits: R^2
+0.98 and 0.99; the target's eager pass was launch-bound at every grid point, about 7 ms, so its
+fit was flat, 15% error);
 ``ProfileGrid.tiny()`` takes a few seconds on a CPU. Fitted models are saved as JSON keyed by
 model identity (class, config hash, dtype, parameter count) and device name.
 """
@@ -150,7 +159,7 @@ class CostModel:
     (in the order the drafters are given to generate())."""
 
     def __init__(self, target: LinearTimeModel, drafters: Sequence[LinearTimeModel] = (),
-                 identity: str = "synthetic", device_name: str = "synthetic"):
+                 identity: str = "synthetic", device_name: str = "synthetic", step_overhead_s: float = 0.0):
         if tuple(target.features) != TARGET_FEATURES:
             raise ValueError(f"the target model needs features {TARGET_FEATURES}, got {target.features}")
         for model in drafters:
@@ -160,6 +169,7 @@ class CostModel:
         self.drafters = list(drafters)
         self.identity = identity
         self.device_name = device_name
+        self.step_overhead_s = float(step_overhead_s)  # already included in the target's fixed term
 
     @classmethod
     def from_coefficients(cls, c_fixed: float, c_tok: float, c_kv: float = 0.0, c_row: float = 0.0,
@@ -218,12 +228,13 @@ class CostModel:
 
     def as_dict(self) -> dict:
         return {"identity": self.identity, "device_name": self.device_name, "target": self.target.as_dict(),
-                "drafters": [d.as_dict() for d in self.drafters]}
+                "drafters": [d.as_dict() for d in self.drafters], "step_overhead_s": self.step_overhead_s}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CostModel:
         return cls(LinearTimeModel.from_dict(data["target"]), [LinearTimeModel.from_dict(d) for d in data["drafters"]],
-                   identity=data["identity"], device_name=data["device_name"])
+                   identity=data["identity"], device_name=data["device_name"],
+                   step_overhead_s=float(data.get("step_overhead_s", 0.0)))
 
     def save(self, path) -> None:
         """Write (or replace) this model's entry in the JSON file at ``path``, keyed by
@@ -253,8 +264,16 @@ class CostModel:
                            f"it holds {sorted(entries)}")
         return cls.from_dict(matches[0])
 
+    def subset(self, drafter_indices: Sequence[int]) -> CostModel:
+        """The same model timing only the drafters ``drafter_indices`` (in that order): for a
+        generate() call given a subset of the profiled drafters."""
+        return CostModel(self.target, [self.drafters[i] for i in drafter_indices], identity=self.identity,
+                         device_name=self.device_name, step_overhead_s=self.step_overhead_s)
+
     def describe(self) -> str:
         lines = [f"CostModel {self.key}", f"  target:  {self.target.describe()}"]
+        if self.step_overhead_s:
+            lines[-1] += f" (fixed term includes {self.step_overhead_s * 1e3:.3g} ms of per-step loop overhead)"
         lines += [f"  drafter {i}: {d.describe()}" for i, d in enumerate(self.drafters)]
         return "\n".join(lines)
 
@@ -344,12 +363,25 @@ def _position_limit(model) -> int | None:
 
 
 def profile(target, drafters: Sequence = (), device=None, grid: ProfileGrid | None = None,
-            attention: str = "auto") -> CostModel:
+            attention: str = "auto", cuda_graphs: bool | str = False, compile: bool = False,
+            step_overhead: bool = False) -> CostModel:
     """Measure ``target``'s verify pass and each drafter's propose step on ``device`` (the
     target's by default) and fit a CostModel. Contexts longer than a model's position limit are
-    skipped. Drafters are started, used and finished here, like generate() does."""
+    skipped. Drafters are started, used and finished here, like generate() does.
+
+    attention, cuda_graphs, compile: the target's runner configuration, as for generate(); with
+    graphs the target is timed through the runner kept with the model (built here unless one
+    covering the grid exists, and left for generate() to reuse). step_overhead: measure the
+    decoding loop's per-step cost beyond the target's forward and fold it into the fixed term
+    (module docstring)."""
     from ..batch import BatchState
-    from ..runner import ModelRunner, PackedLayout, device_of, resolve_backend
+    from ..runner import (
+        ModelRunner,
+        PackedLayout,
+        device_of,
+        resolve_backend,
+        runner_for,
+    )
     from ..types import SamplingParams
 
     grid = ProfileGrid() if grid is None else grid
@@ -365,8 +397,13 @@ def profile(target, drafters: Sequence = (), device=None, grid: ProfileGrid | No
     if not contexts:
         raise ValueError(f"no context length of {grid.context_lengths} fits the target's {limit} positions")
     max_rows = max(grid.batch_sizes)
-    backend = resolve_backend(target, attention)[0]
-    runner = ModelRunner(target, max_rows=max_rows, max_len=max(contexts) + max(grid.tokens_per_row) + 1, attention=backend)
+    backend, graphs, compiled = resolve_backend(target, attention, cuda_graphs, compile)
+    max_t, max_len = max(grid.tokens_per_row), max(contexts) + max(grid.tokens_per_row) + 1
+    if graphs:  # the runner generate() will use: kept with the model, not released here
+        runner = runner_for(target, role="target", max_rows=max_rows, max_len=max_len, attention=backend,
+                            graph_shape=(max_t, max_rows * max_t), compile=compiled)
+    else:
+        runner = ModelRunner(target, max_rows=max_rows, max_len=max_len, attention=backend)
     rows_matrix, times = [], []
     try:
         with runner.attached():
@@ -378,9 +415,17 @@ def profile(target, drafters: Sequence = (), device=None, grid: ProfileGrid | No
                         times.append(_median_time(runner.forward, (input_ids, layout), device, grid.repeats, grid.warmup))
                         rows_matrix.append([1.0, b * t, b * (c + t), b])
     finally:
-        runner.release()
+        if not graphs:
+            runner.release()
     target_model = LinearTimeModel.fit(TARGET_FEATURES, np.array(rows_matrix), np.array(times),
                                        grid.holdout_fraction, grid.seed)
+    overhead = 0.0
+    if step_overhead:
+        room = (runner.cache.max_len if graphs else max_len) - min(contexts) - 1
+        overhead = _step_overhead(target, target_model, min(contexts), max(1, min(16, room)),
+                                  sorted({min(grid.batch_sizes), max_rows}), vocab_size, generator,
+                                  {"attention": attention, "cuda_graphs": graphs, "compile": compiled})
+        target_model.coefficients[TARGET_FEATURES.index("fixed")] += overhead
 
     # Each drafter, over a batch of b rows of c tokens: propose k tokens for every row, then roll
     # back to one token short of the committed lengths (so the next proposal catches up one
@@ -411,4 +456,23 @@ def profile(target, drafters: Sequence = (), device=None, grid: ProfileGrid | No
             raise ValueError(f"no context length of {contexts} fits {drafter.describe()}'s {drafter_limit} positions")
         drafter_models.append(LinearTimeModel.fit(DRAFTER_FEATURES, np.array(rows_matrix), np.array(times),
                                                   grid.holdout_fraction, grid.seed))
-    return CostModel(target_model, drafter_models, identity=identity_of(target, drafters), device_name=device_name_of(device))
+    return CostModel(target_model, drafter_models, identity=identity_of(target, drafters), device_name=device_name_of(device),
+                     step_overhead_s=overhead)
+
+
+def _step_overhead(target, target_model: LinearTimeModel, context: int, new_tokens: int, batch_sizes: Sequence[int],
+                   vocab_size: int, generator: torch.Generator, options: dict) -> float:
+    """Seconds a plain decoding step of generate() takes beyond the target's predicted forward:
+    the mean over ``batch_sizes`` of (measured step - predicted forward), at least 0."""
+    from ..generate import generate  # the loop imports the policies package
+    from .fixed import FixedPolicy
+
+    gaps = []
+    for b in batch_sizes:
+        prompts = [torch.randint(0, vocab_size, (context,), generator=generator).tolist() for _ in range(b)]
+        generate(target, prompts, policy=FixedPolicy(0), max_new_tokens=2, **options)  # warm-up
+        stats = generate(target, prompts, policy=FixedPolicy(0), max_new_tokens=new_tokens, **options).stats
+        step = (stats.wall_time_s - stats.prefill_time_s) / max(stats.steps, 1)
+        mean_kv = b * (context + (new_tokens + 1) / 2)
+        gaps.append(step - float(target_model.predict({"tokens": b, "kv_tokens": mean_kv, "rows": b})))
+    return max(0.0, float(np.mean(gaps)))

@@ -1,0 +1,96 @@
+"""What the policy experiments add to the policy package: profile() with the decoding loop's
+per-step overhead folded into the target's fixed term (and saved with the model), a CostModel
+restricted to some of its drafters, the acceptance rate fitted to measured tau per length (a
+policy's prior), GoodputPolicy skipping the estimator when no row was asked to draft; and, on
+a GPU, profile(cuda_graphs=True) timing the runner generate() then reuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import generate
+from specdec.batch import BatchState
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.policies import (
+    CostModel,
+    FixedPolicy,
+    GoodputPolicy,
+    ProfileGrid,
+    expected_emitted,
+    profile,
+    rate_from_expected_tokens,
+)
+from specdec.runner import runners_of
+from specdec.stats import StepRecord
+from specdec.types import VerifyCost
+from tests.tiny import make_model, perturbed_copy, random_prompts
+
+
+def test_step_overhead_is_measured_and_folded_into_the_fixed_term(tmp_path):
+    target = make_model("llama", dtype=torch.float32)
+    drafters = [ModelDrafter(perturbed_copy(target, 0.1)), PromptLookupDrafter()]
+    grid = ProfileGrid.tiny()
+    plain = profile(target, drafters, device="cpu", grid=grid)
+    with_loop = profile(target, drafters, device="cpu", grid=grid, step_overhead=True)
+    print(plain.describe(), with_loop.describe(), sep="\n")
+    assert plain.step_overhead_s == 0.0 and with_loop.step_overhead_s > 0  # the loop's host work is not free
+    assert with_loop.target.coefficient("fixed") >= with_loop.step_overhead_s
+    assert "per-step loop overhead" in with_loop.describe()
+    with_loop.save(tmp_path / "model.json")
+    loaded = CostModel.load(tmp_path / "model.json")
+    assert loaded.step_overhead_s == with_loop.step_overhead_s and loaded.as_dict() == with_loop.as_dict()
+    # files written before the field existed still load
+    data = with_loop.as_dict()
+    del data["step_overhead_s"]
+    assert CostModel.from_dict(data).step_overhead_s == 0.0
+
+
+def test_subset_keeps_the_target_and_the_chosen_drafters():
+    model = CostModel.from_coefficients(1.0, 0.1, drafters=[{"fixed": 1.0}, {"fixed": 2.0}, {"fixed": 3.0}],
+                                        identity="x", device_name="y")
+    model.step_overhead_s = 0.25
+    part = model.subset([2, 0])
+    assert [d.coefficient("fixed") for d in part.drafters] == [3.0, 1.0]
+    assert part.target is model.target and part.key == model.key and part.step_overhead_s == 0.25
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3, 0.62, 0.9, 1.0])
+def test_rate_from_expected_tokens_recovers_the_iid_rate(rate):
+    measured = {s: float(expected_emitted(rate, s)) for s in (1, 2, 4, 8)}
+    assert rate_from_expected_tokens(measured) == pytest.approx(rate, abs=1e-3)
+    noisy = {s: v * (1.02 if s % 2 else 0.98) for s, v in measured.items()}
+    assert rate_from_expected_tokens(noisy) == pytest.approx(rate, abs=0.05)
+    with pytest.raises(ValueError):
+        rate_from_expected_tokens({})
+
+
+def test_goodput_policy_learns_nothing_from_a_step_without_drafting():
+    model = CostModel.from_coefficients(1.0, 0.01, drafters=[{"steps": 5.0}])  # drafting never pays
+    policy = GoodputPolicy(model, max_draft_tokens=4)
+    batch = BatchState([np.arange(10)] * 3, 50, np.arange(3), np.zeros(0, dtype=np.int64))
+    plan = policy.plan(batch, 1)
+    assert plan.num_draft_tokens.tolist() == [0, 0, 0]
+    before = policy.estimator._rate.copy(), policy.estimator._coverage.copy(), policy.estimator.observed.copy()
+    zeros = np.zeros(3, dtype=np.int64)
+    policy.observe(StepRecord(0, np.arange(3), zeros, zeros, zeros, zeros + 1, 0.0, 1.0, VerifyCost(3, 0)))
+    after = policy.estimator._rate, policy.estimator._coverage, policy.estimator.observed
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.cuda
+def test_profile_with_graphs_times_the_runner_generate_reuses():
+    target = make_model("llama", dtype=torch.float32, device="cuda")
+    drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True)
+    prompts = random_prompts(4, target.config.vocab_size, seed=3, min_len=24, max_len=24)
+    options = dict(attention="fast", cuda_graphs=True)
+    generate(target, prompts, drafter=drafter, policy=FixedPolicy(4), max_new_tokens=40, **options)  # builds the runners
+    runner = runners_of(target)["target"]
+    grid = ProfileGrid(batch_sizes=(1, 4), tokens_per_row=(1, 5), context_lengths=(8, 24), draft_lengths=(1, 4),
+                       repeats=2, warmup=1)
+    model = profile(target, [drafter], grid=grid, step_overhead=True, **options)
+    assert runners_of(target)["target"] is runner  # covered: reused, not rebuilt, and not released
+    assert runner.graphs is not None and model.step_overhead_s >= 0
+    out = generate(target, prompts, drafter=drafter, policy=FixedPolicy(4), max_new_tokens=40, **options)
+    assert runners_of(target)["target"] is runner and len(out.sequences) == 4
