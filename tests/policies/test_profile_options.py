@@ -84,7 +84,7 @@ def test_profile_with_graphs_times_the_runner_generate_reuses():
     target = make_model("llama", dtype=torch.float32, device="cuda")
     drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True)
     prompts = random_prompts(4, target.config.vocab_size, seed=3, min_len=24, max_len=24)
-    options = dict(attention="fast", cuda_graphs=True)
+    options = {"attention": "fast", "cuda_graphs": True}
     generate(target, prompts, drafter=drafter, policy=FixedPolicy(4), max_new_tokens=40, **options)  # builds the runners
     runner = runners_of(target)["target"]
     grid = ProfileGrid(batch_sizes=(1, 4), tokens_per_row=(1, 5), context_lengths=(8, 24), draft_lengths=(1, 4),
