@@ -173,7 +173,8 @@ def oracle_lookup_tau(request: Request, tokenizer, num_draft_tokens: int = 4, ma
     own continuation (``request.reference``): each step proposes ``num_draft_tokens`` by
     PromptLookupDrafter's matching, accepts the proposal's longest prefix that agrees with the
     reference, and emits one more token. A property of the request, not of any model."""
-    reference = tokenizer(request.reference, add_special_tokens=False)["input_ids"][:max_new_tokens]
+    text = request.reference[: 64 * max_new_tokens]  # far more characters than max_new_tokens tokens need
+    reference = tokenizer(text, add_special_tokens=False)["input_ids"][:max_new_tokens]
     if not reference:
         return float("nan")
     sequence = np.array(list(request.token_ids) + reference, dtype=np.int64)[None, :]  # [1, T]
