@@ -2,6 +2,7 @@
 
     python -m specdec demo [--preset cpu|gpu] [--device cuda] [--json FILE] [--prompts FILE]
     python -m specdec bench [--quick] [--parts zoo,bandwidth] [--preset gpu] [--out benchmarks/results]
+    python -m specdec bench --policies [--quick] [--preset gpu] [--time-limit-s S] [--out benchmarks/results]
     python -m specdec zoo build --preset cpu|gpu|tiny [--out DIR] [--force]
     python -m specdec zoo prompts --preset cpu --out prompts.jsonl [--count N] [--tokens T]
 """
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="zoo (the model zoo against the peers), bandwidth (1B/8B step times); comma-separated")
     bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and PNG")
     bench.add_argument("--zoo-dir")
+    bench.add_argument("--policies", action="store_true",
+                       help="adaptive policies against fixed drafter/length pairs on mixed workloads instead "
+                            "(own options: python -m specdec bench --policies --help)")
 
     zoo = commands.add_parser("zoo", help="build the model zoo or export its prompt sets")
     zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
@@ -91,6 +95,11 @@ def _bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and "--policies" in argv:  # its own options: specdec/bench/policies.py
+        from .bench.policies import main as policies_main
+
+        return policies_main([a for a in argv[1:] if a != "--policies"])
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)

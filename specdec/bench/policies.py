@@ -1,0 +1,772 @@
+"""``python -m specdec bench --policies``: the adaptive policies (GoodputPolicy per-row and
+uniform, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, and per batch)
+against every fixed (drafter, length) pair and plain decoding, on copy-heavy, continuation and
+mixed workloads (``specdec.workloads``), at several batch sizes, in one process.
+
+Order of work: load the zoo and make the workloads; build every runner once at the largest
+shape any later call needs (on CUDA: compiled and captured; the biggest batch, the longest
+prompt, the longest draft), so no call inside a timed window rebuilds one; profile the
+CostModel on the same device through the same runners (CUDA graphs and compile as generation
+uses them), with the decoding loop's per-step overhead; measure tau per draft length on a few
+held-out requests of each workload and build BatchAdaptivePolicy's table from it and the cost
+model; then, for each batch size (largest first), workload and method: one short untimed
+warm-up call on the chunk with the longest prompts, then the timed calls (batch B: the first
+max(B, num_prompts) requests in calls of B; batch 1: the first batch1_prompts requests, one per
+call), the device synchronised around the timed window.
+
+Invariant: every output of every run is compared token for token with plain decoding of the
+same requests at the same batch size (``identical``; greedy); every figure was measured in this
+run; a policy object is made fresh for each timed run (the batch-level bandit learns across the
+calls of its run, not from the warm-up).
+
+Results: JSON (environment, settings, workloads, cost model, tables, every run, the targets), a
+markdown report, two PNG plots, and the cost model JSON; a ``.partial.json`` is rewritten after
+every run, so a run cut short keeps what it measured. ``time_limit_s`` skips the runs that would
+start after it (they are listed as skipped), so the report is always written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import generate
+from ..drafters import ModelDrafter, PromptLookupDrafter
+from ..policies import (
+    BanditPolicy,
+    BatchAdaptivePolicy,
+    CostModel,
+    FixedPolicy,
+    GoodputPolicy,
+    Policy,
+    ProfileGrid,
+    profile,
+    profile_expected_tokens,
+    rate_from_expected_tokens,
+)
+from ..policies.batch_adaptive import DEFAULT_BATCH_SIZES
+from ..runner import runners_of
+from ..verifiers import PaddingFreeVerifier
+from ..workloads import KINDS, STANDARD, WorkloadGenerator, mean_oracle_lookup_tau
+from ..zoo import build, load
+from .harness import agreement, environment
+
+LOOKUP = "prompt lookup"
+FORMAT = "specdec.bench.policies/1"
+
+
+@dataclass
+class PolicyBenchSettings:
+    preset: str = "gpu"
+    device: str = "cuda"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
+    zoo_dir: str | None = None
+    cuda_graphs: bool | None = None  # CUDA graphs for the target and model drafters; None: on CUDA
+    compile: bool | None = None  # torch.compile inside the CUDA graphs; None: with graphs
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    num_prompts: int = 64  # requests per workload at batch >= 2 (at least the batch size)
+    batch1_prompts: int = 8  # requests per workload at batch 1, one call each
+    prompt_tokens: int = 128
+    max_new_tokens: int = 128
+    workloads: tuple[str, ...] = ("mixed", "copy", "continuation")
+    mixed_fraction: float = 0.5  # copy-heavy share of the mixed workload
+    drafters: tuple[str, ...] = ()  # empty: prompt lookup + the num_model_drafters of lowest held-out loss
+    num_model_drafters: int = 2
+    lengths: tuple[int, ...] = (1, 2, 4, 6)  # fixed draft lengths
+    max_draft_tokens: int = 8  # GoodputPolicy's and BatchAdaptivePolicy's longest draft
+    bandit_length: int = 4  # BanditPolicy's draft length (added to ``lengths`` if missing)
+    policy_drafter: str | None = None  # GoodputPolicy's and BatchAdaptivePolicy's; None: the first model drafter
+    goodput_decide_every: int = 4  # steps between GoodputPolicy's decisions
+    bandit_times: str = "measured"  # "measured" (CUDA events) or "model" (the cost model's predictions)
+    profile_grid: str = "default"  # "default" or "tiny"
+    profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile
+    tau_profile_tokens: int = 32
+    warmup_tokens: int = 8  # new tokens of each untimed warm-up call
+    time_limit_s: float | None = None  # no run starts after this many seconds
+    seed: int = 0
+
+
+@dataclass
+class Method:
+    name: str
+    family: str  # "plain", "fixed", "goodput", "batch_adaptive", "bandit"
+    variant: str  # "", "per-row", "uniform", "ucb", "epoch", "batch-level"
+    drafters: tuple[str, ...]  # given to generate(), in this order
+    length: int  # fixed: k; goodput / batch_adaptive: the longest draft; bandit: k
+    make: Callable[[str], Policy] = field(repr=False)  # workload name -> a fresh policy
+
+
+class Tally(Policy):
+    """Passes everything to ``inner`` and counts, by request kind, row-steps, drafted tokens and
+    which drafter proposed (a few bincounts per step)."""
+
+    def __init__(self, inner: Policy, kinds: np.ndarray, num_drafters: int):
+        self.inner, self.kinds, self.num_drafters = inner, kinds, max(num_drafters, 1)
+        self.row_steps = np.zeros(len(KINDS))
+        self.drafted_tokens = np.zeros(len(KINDS))
+        self.drafting = np.zeros((len(KINDS), self.num_drafters))  # row-steps that drafted > 0, by drafter
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.inner.max_draft_tokens
+
+    def plan(self, batch, num_drafters):
+        return self.inner.plan(batch, num_drafters)
+
+    def observe(self, record) -> None:
+        rows = record.rows
+        kinds = self.kinds[rows]
+        drafted = record.num_drafted[rows]
+        self.row_steps += np.bincount(kinds, minlength=len(KINDS))
+        self.drafted_tokens += np.bincount(kinds, weights=drafted, minlength=len(KINDS))
+        on = drafted > 0
+        if on.any():
+            cell = kinds[on] * self.num_drafters + record.drafter_index[rows][on]
+            self.drafting += np.bincount(cell, minlength=len(KINDS) * self.num_drafters).reshape(len(KINDS), -1)
+        self.inner.observe(record)
+
+
+def _log(*args) -> None:
+    print(*args, flush=True)
+
+
+def _synchronise(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def choose_drafters(settings: PolicyBenchSettings, zoo_drafters: dict, manifest: dict) -> list[str]:
+    """The drafter names of the run: settings.drafters, or prompt lookup plus the model drafters
+    of lowest held-out loss."""
+    if settings.drafters:
+        names = [LOOKUP if n in ("lookup", LOOKUP) else n for n in settings.drafters]
+        unknown = [n for n in names if n != LOOKUP and n not in zoo_drafters]
+        if unknown:
+            raise ValueError(f"unknown drafters {unknown}; the zoo has {sorted(zoo_drafters)} and 'lookup'")
+        return names
+    by_loss = sorted(zoo_drafters, key=lambda n: manifest["models"][n].get("heldout_loss", math.inf))
+    return [LOOKUP] + by_loss[: settings.num_model_drafters]
+
+
+def profile_grid(settings: PolicyBenchSettings, prompt_lengths: Sequence[int], max_rows: int, max_k: int) -> ProfileGrid:
+    """The cost model's grid for this run: batch sizes up to the largest run, tokens per row up to
+    max_k + 1 (a verify pass), contexts spanning what the workloads hold (kept short enough that
+    the runners built for the runs cover the profile)."""
+    low = int(min(prompt_lengths))
+    high = max(low, int(max(prompt_lengths)) + settings.max_new_tokens - 2 * max_k - 4)
+    contexts = tuple(sorted({low, (low + high) // 2, high}))
+    if settings.profile_grid == "tiny":
+        batches = tuple(b for b in (1, 2, 4, 8) if b <= max_rows) or (1,)
+        return ProfileGrid(batch_sizes=batches, tokens_per_row=(1, max_k + 1), context_lengths=contexts[::2],
+                           draft_lengths=(1, max_k), repeats=2, warmup=1)
+    batches = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max_rows} | {max_rows}))
+    per_row = tuple(sorted({1, 2, 4, max_k + 1}))
+    return ProfileGrid(batch_sizes=batches, tokens_per_row=per_row, context_lengths=contexts,
+                       draft_lengths=tuple(sorted({1, 2, 4, max_k})), repeats=5, warmup=2)
+
+
+def methods(settings: PolicyBenchSettings, names: list[str], policy_drafter: str, cost_model: CostModel,
+            tables: dict[str, dict[int, int]], priors: dict[str, float]) -> list[Method]:
+    """Plain decoding, every fixed pair, then the policies (each a factory of fresh policies).
+    tables: BatchAdaptivePolicy's table per workload; priors: GoodputPolicy's cold-start
+    acceptance rate per workload (fitted to the same short tau profile)."""
+    index = {n: i for i, n in enumerate(names)}
+    single = cost_model.subset([index[policy_drafter]])
+    bandit_model = cost_model if settings.bandit_times == "model" else None
+    found = [Method("plain decoding (k=0)", "plain", "", (), 0, lambda w: FixedPolicy(0))]
+    for name in names:
+        for k in sorted(set(settings.lengths) | {settings.bandit_length}):
+            found.append(Method(f"fixed {name} k={k}", "fixed", "", (name,), k, lambda w, k=k: FixedPolicy(k)))
+    K, every = settings.max_draft_tokens, settings.goodput_decide_every
+    for variant, search in (("per-row", "exact"), ("uniform", "uniform")):
+        found.append(Method(f"GoodputPolicy {variant} ({policy_drafter}, k<={K})", "goodput", variant, (policy_drafter,), K,
+                            lambda w, search=search: GoodputPolicy(single, max_draft_tokens=K, search=search,
+                                                                   decide_every=every, prior=priors[w])))
+    found.append(Method(f"BatchAdaptivePolicy ({policy_drafter}, k<={K})", "batch_adaptive", "", (policy_drafter,), K,
+                        lambda w: BatchAdaptivePolicy(tables[w])))
+    kb = settings.bandit_length
+    for variant, strategy, scope in (("ucb", "ucb", "request"), ("epoch", "epoch", "request"),
+                                     ("batch-level", "epoch", "batch")):
+        found.append(Method(f"BanditPolicy {variant} ({len(names)} drafters, k={kb})", "bandit", variant, tuple(names), kb,
+                            lambda w, s=strategy, sc=scope: BanditPolicy(kb, strategy=s, scope=sc, cost_model=bandit_model)))
+    return found
+
+
+def _runner_ids(models) -> dict:
+    return {(id(m), role): id(r) for m in models for role, r in runners_of(m).items()}
+
+
+def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str | None = None,
+        cost_model_path: str | Path | None = None) -> dict:
+    """The whole experiment -> one result dictionary (module docstring). ``checkpoint`` receives
+    the partial result after every run; ``cost_model_path``: also save the fitted cost model there."""
+    started = time.perf_counter()
+    elapsed = lambda: time.perf_counter() - started
+    save = checkpoint or (lambda partial: None)
+    if settings.bandit_length < 1 or settings.max_draft_tokens < 1 or min(settings.lengths, default=1) < 1:
+        raise ValueError("bandit_length and max_draft_tokens must be >= 1")
+    if settings.bandit_times not in ("measured", "model"):
+        raise ValueError(f"bandit_times must be 'measured' or 'model', got {settings.bandit_times!r}")
+    cuda = settings.device.startswith("cuda")
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    graphs = cuda if settings.cuda_graphs is None else settings.cuda_graphs
+    compiled = graphs if settings.compile is None else (settings.compile and graphs)
+
+    build(settings.preset, out=settings.zoo_dir, device=settings.device)
+    zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device, dtype=getattr(torch, dtype))
+    tokenizer, target, eos = zoo.tokenizer, zoo.target, zoo.tokenizer.eos_token_id
+    names = choose_drafters(settings, zoo.drafters, zoo.manifest)
+    model_names = [n for n in names if n != LOOKUP]
+    policy_drafter = settings.policy_drafter or (model_names[0] if model_names else names[0])
+    if policy_drafter not in names:
+        raise ValueError(f"policy drafter {policy_drafter!r} is not among the run's drafters {names}")
+    drafters = {n: PromptLookupDrafter() if n == LOOKUP else ModelDrafter(zoo.drafters[n], cuda_graphs=graphs, compile=compiled)
+                for n in names}
+
+    # workloads: the measured requests, then held-out ones (same generator, later files) for the tau profile
+    batch_sizes = sorted(set(settings.batch_sizes), reverse=True)
+    count = max([settings.num_prompts, settings.batch1_prompts] + [b for b in batch_sizes if b > 1])
+    generator = WorkloadGenerator(zoo.heldout_texts(), tokenizer, settings.prompt_tokens, seed=settings.seed)
+    workloads = generator.standard(count, settings.workloads, mixed_fraction=settings.mixed_fraction)
+    profile_rows = max(1, min(settings.profile_prompts, batch_sizes[0]))
+    held_out = generator.standard(profile_rows, settings.workloads, offset=count, mixed_fraction=settings.mixed_fraction)
+    all_prompts = [p for w in (*workloads.values(), *held_out.values()) for p in w.prompts()]
+    K = max(settings.max_draft_tokens, settings.bandit_length, *settings.lengths)
+    max_rows = max(batch_sizes[0], profile_rows)
+
+    result = {
+        "format": FORMAT,
+        "environment": {**environment(settings), **({"command": command} if command else {})},
+        "settings": asdict(settings),
+        "dtype": dtype,
+        "zoo": zoo.manifest["models"],
+        "drafters": names,
+        "policy_drafter": policy_drafter,
+        "workloads": {},
+        "rows": [],
+        "skipped": [],
+        "timings": {},
+    }
+    for name, workload in workloads.items():
+        summary = workload.summary()
+        summary["oracle_lookup_tau"] = mean_oracle_lookup_tau(workload, tokenizer, settings.bandit_length,
+                                                              settings.max_new_tokens)
+        result["workloads"][name] = summary
+    log(f"drafters {names}; policies draft with {policy_drafter}; workloads " + ", ".join(
+        f"{n} ({s['num_copy']} copy / {s['num_continuation']} continuation, {s['distinct_files']} files, "
+        f"oracle lookup tau {s['oracle_lookup_tau']})" for n, s in result["workloads"].items()))
+    log(estimate(settings, len(names)))
+
+    # 1. every runner at the largest shape any later call needs (graphs captured once, compiled once)
+    if graphs:
+        phase = time.perf_counter()
+        longest = max(all_prompts, key=len)
+        first_model = next((i for i, n in enumerate(names) if n != LOOKUP), 0)
+        generate(target, [longest] * max_rows, drafter=list(drafters.values()), policy=FixedPolicy(K, first_model),
+                 max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs, compile=compiled)
+        _synchronise(settings.device)
+        result["timings"]["build_runners_s"] = time.perf_counter() - phase
+        log(f"runners built (rows {max_rows}, drafts up to {K}, prompts up to {len(longest)} tokens) "
+            f"in {result['timings']['build_runners_s']:.1f} s")
+
+    # 2. the cost model, through the same runners
+    phase = time.perf_counter()
+    grid = profile_grid(settings, [len(p) for p in all_prompts], max_rows, K)
+    cost_model = profile(target, list(drafters.values()), grid=grid, cuda_graphs=graphs, compile=compiled,
+                         step_overhead=True)
+    result["timings"]["profile_s"] = time.perf_counter() - phase
+    result["cost_model"] = {**cost_model.as_dict(), "drafter_names": names, "grid": asdict(grid)}
+    if cost_model_path is not None:
+        cost_model.save(cost_model_path)
+    log(f"{cost_model.describe()}\n(profiled in {result['timings']['profile_s']:.1f} s)")
+
+    # 3. a short tau profile per workload on held-out requests: BatchAdaptivePolicy's table (with the
+    # cost model) and GoodputPolicy's cold-start acceptance rate (without one, a policy that starts
+    # at a pessimistic prior may never draft, and so never learn that drafting pays)
+    phase = time.perf_counter()
+    single = cost_model.subset([names.index(policy_drafter)])
+    options = {"eos_token_id": eos, "cuda_graphs": graphs, "compile": compiled}
+    context = int(np.mean([len(p) for p in all_prompts])) + settings.max_new_tokens // 2
+    tables, priors, result["tau_profile"] = {}, {}, {}
+    for name in settings.workloads:
+        expected = profile_expected_tokens(target, drafters[policy_drafter], held_out[name].prompts(),
+                                           range(1, settings.max_draft_tokens + 1), settings.tau_profile_tokens, **options)
+        policy = BatchAdaptivePolicy.from_cost_model(single, expected_tokens=expected, context_len=context,
+                                                     batch_sizes=sorted(set(DEFAULT_BATCH_SIZES) | set(batch_sizes)))
+        tables[name], priors[name] = policy.table, rate_from_expected_tokens(expected)
+        result["tau_profile"][name] = {"expected_tokens": {str(k): v for k, v in expected.items()},
+                                       "acceptance_rate": priors[name], "context_len": context,
+                                       "batch_adaptive_table": {str(b): s for b, s in policy.table.items()}}
+        log(f"tau profile {name}: {', '.join(f'k={k}: {v:.2f}' for k, v in expected.items())}; fitted acceptance "
+            f"rate {priors[name]:.3f}; BatchAdaptivePolicy table {policy.table}")
+    result["timings"]["tau_profile_s"] = time.perf_counter() - phase
+    save(result)
+
+    # 4. the runs
+    grid_methods = methods(settings, names, policy_drafter, cost_model, tables, priors)
+    plan = [(b, w, m) for b in batch_sizes for w in settings.workloads for m in grid_methods]
+    models = [target] + [zoo.drafters[n] for n in model_names]
+    runs_started = time.perf_counter()
+    units_done = seconds_done = 0.0
+    references: dict[tuple[str, int], list[list[int]]] = {}
+    for number, (batch, workload_name, method) in enumerate(plan, start=1):
+        if settings.time_limit_s is not None and elapsed() > settings.time_limit_s:
+            result["skipped"] = [{"workload": w, "batch": b, "method": m.name} for b, w, m in plan[number - 1 :]]
+            log(f"time limit of {settings.time_limit_s:.0f} s reached: {len(plan) - number + 1} runs skipped")
+            break
+        workload = workloads[workload_name]
+        size = settings.batch1_prompts if batch == 1 else max(batch, settings.num_prompts)
+        prompts, kinds = workload.prompts(size), np.array([KINDS.index(k) for k in workload.kinds(size)])
+        reference = references.get((workload_name, batch))
+        run_started = time.perf_counter()
+        before = _runner_ids(models)
+        try:
+            if method.family != "plain" and reference is None:
+                raise RuntimeError("no plain decoding output to compare with (plain decoding failed or was skipped)")
+            row = measure(target, drafters, method, workload_name, prompts, kinds, batch, settings, eos, graphs, compiled)
+        except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
+            row = {"error": f"{type(error).__name__}: {str(error)[:300]}", "sequences": None}
+        row_sequences = row.pop("sequences")
+        row = {"workload": workload_name, "batch": batch, "method": method.name, "family": method.family,
+               "variant": method.variant, "drafters": list(method.drafters), "length": method.length,
+               "prompts": len(prompts), **row, "elapsed_s": time.perf_counter() - run_started,
+               "runner_rebuilt": _runner_ids(models) != before}
+        row.setdefault("error", "")
+        if not row["error"]:
+            if method.family == "plain":
+                references[(workload_name, batch)] = row_sequences
+                row["identical"], row["agreement"] = None, 1.0
+            else:
+                row["identical"] = row_sequences == reference
+                row["agreement"] = agreement(row_sequences, reference)
+        result["rows"].append(row)
+        save(result)
+        units = len(prompts) / batch * settings.max_new_tokens
+        units_done, seconds_done = units_done + units, seconds_done + row["elapsed_s"]
+        left = sum((settings.batch1_prompts if b == 1 else max(b, settings.num_prompts)) / b * settings.max_new_tokens
+                   for b, _, _ in plan[number:]) * seconds_done / max(units_done, 1e-9)
+        log(progress_line(row, references, result["rows"], number, len(plan), elapsed(), left))
+    result["timings"]["runs_s"] = time.perf_counter() - runs_started
+    result["timings"]["total_s"] = elapsed()
+    result["targets"] = policy_targets(result)
+    return result
+
+
+def measure(target, drafters: dict, method: Method, workload: str, prompts: list[list[int]], kinds: np.ndarray,
+            batch: int, settings: PolicyBenchSettings, eos, graphs: bool, compiled: bool) -> dict:
+    """One timed run: a warm-up call, then every chunk of ``batch`` prompts -> a row (with the
+    sequences, for the comparison)."""
+    given = [drafters[n] for n in method.drafters]
+    kwargs = {"drafter": given or None, "verifier": PaddingFreeVerifier(), "eos_token_id": eos, "cuda_graphs": graphs,
+                  "compile": compiled}
+    starts = range(0, len(prompts), batch)
+    chunks = [prompts[i : i + batch] for i in starts]
+    longest = max(range(len(chunks)), key=lambda c: max(map(len, chunks[c])))
+    generate(target, chunks[longest], policy=method.make(workload), max_new_tokens=settings.warmup_tokens, **kwargs)
+    policy = method.make(workload)
+    tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in starts]
+    _synchronise(settings.device)
+    started = time.perf_counter()
+    outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
+               for chunk, tally in zip(chunks, tallies)]
+    _synchronise(settings.device)
+    seconds = time.perf_counter() - started
+    sequences = [s for out in outputs for s in out.sequences]
+    tokens = sum(map(len, sequences))
+    row_steps = sum(r.steps for out in outputs for r in out.stats.requests)
+    by_kind_steps = sum(t.row_steps for t in tallies)
+    drafted = sum(t.drafted_tokens for t in tallies)
+    drafting = sum(t.drafting for t in tallies)  # [kinds, drafters]
+    use = {}
+    for k, kind in enumerate(KINDS):
+        if by_kind_steps[k] > 0 and given:
+            use[kind] = {n: float(drafting[k, d] / by_kind_steps[k]) for d, n in enumerate(method.drafters)}
+    return {
+        "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else float("nan"),
+        "tau": tokens / row_steps if row_steps else float("nan"),
+        "steps": int(sum(out.stats.steps for out in outputs)),
+        "mean_draft_tokens": float(drafted.sum() / max(by_kind_steps.sum(), 1)),
+        "mean_draft_tokens_by_kind": {kind: float(drafted[k] / by_kind_steps[k]) for k, kind in enumerate(KINDS)
+                                      if by_kind_steps[k] > 0},
+        "drafter_use": use,  # per kind: fraction of row-steps in which each drafter proposed
+        "sequences": sequences,
+    }
+
+
+def progress_line(row: dict, references: dict, rows: list[dict], number: int, total: int, elapsed: float,
+                  left: float) -> str:
+    head = f"[{number:>3}/{total}] {row['workload']:<12} b{row['batch']:<3} {row['method']:<48}"
+    tail = f"{row['elapsed_s']:5.1f} s; {elapsed:4.0f} s elapsed, about {left:.0f} s of runs left"
+    if row["error"]:
+        return f"{head} FAILED {row['error']} ({tail})"
+    plain = next((r for r in rows if r["family"] == "plain" and r["workload"] == row["workload"]
+                  and r["batch"] == row["batch"] and not r["error"]), None)
+    ratio = f" ({row['tokens_per_s'] / plain['tokens_per_s']:.2f}x plain)" if plain and row is not plain else ""
+    same = {True: "yes", False: "NO", None: "reference"}[row["identical"]]
+    return (f"{head} {row['tokens_per_s']:9.1f} tok/s{ratio}, tau {row['tau']:.2f}, "
+            f"mean k {row['mean_draft_tokens']:.2f}, identical {same} ({tail})")
+
+
+def estimate(settings: PolicyBenchSettings, num_drafters: int) -> str:
+    """What the run will do, in runs and generate() calls (a plan, not a measurement)."""
+    num_methods = 1 + num_drafters * len(set(settings.lengths) | {settings.bandit_length}) + 6
+    calls = sum(math.ceil((settings.batch1_prompts if b == 1 else max(b, settings.num_prompts)) / b)
+                for b in settings.batch_sizes)
+    runs = num_methods * len(settings.workloads) * len(settings.batch_sizes)
+    return (f"plan: {runs} runs ({num_methods} methods x {len(settings.workloads)} workloads x "
+            f"{len(settings.batch_sizes)} batch sizes), {calls * num_methods * len(settings.workloads)} timed "
+            f"generate() calls of up to {settings.max_new_tokens} new tokens, plus one short warm-up call per run")
+
+
+# --- targets ---------------------------------------------------------------------------------
+GOODPUT_VS_PLAIN = 0.97  # never more than 3% slower than plain decoding
+WITHIN_BEST_FIXED = 0.95  # within 5% of the best fixed length in hindsight
+BANDIT_MIXED_GAIN = 1.10  # beats the best single drafter by 10% on the mixed workload
+BANDIT_HOMOGENEOUS = 0.95  # within 5% of the best single drafter on a homogeneous workload
+
+
+def policy_targets(result: dict) -> list[dict]:
+    """Issue 5's targets, each met or not, with the worst ratio over the measured batch sizes and
+    the ratio at each one. A policy's ratio at a batch size is its tokens/s over the reference's
+    at the same workload and batch size:
+
+    - GoodputPolicy (each variant, each workload) against plain decoding: >= 0.97;
+    - GoodputPolicy and BatchAdaptivePolicy against the best fixed length of their own drafter
+      in hindsight (the fastest of plain decoding and every measured k with that drafter): >= 0.95;
+    - BanditPolicy (each variant) against the best single drafter (the fastest fixed run of one
+      of its drafters at its own draft length): >= 1.10 on the mixed workload, >= 0.95 on each
+      homogeneous one.
+
+    A target is met only when every measured batch size meets it and every policy output there
+    was identical to plain decoding; a failed policy run fails it."""
+    rows = result.get("rows", [])
+    ok = [r for r in rows if not r.get("error")]
+    found = []
+
+    def add(description, family, variant, workload, reference, threshold):
+        mine = [r for r in rows if r["family"] == family and r["variant"] == variant and r["workload"] == workload]
+        if not mine:
+            return
+        per_batch, identical, failed = {}, True, False
+        for row in sorted(mine, key=lambda r: r["batch"]):
+            if row.get("error"):
+                per_batch[row["batch"]], failed = None, True
+                continue
+            ref = reference(row)
+            if ref is None:
+                continue
+            per_batch[row["batch"]] = row["tokens_per_s"] / ref["tokens_per_s"]
+            identical &= bool(row.get("identical"))
+        measured = [v for v in per_batch.values() if v is not None]
+        if not per_batch:
+            return
+        worst = min(measured) if measured else float("nan")
+        found.append({"target": description, "policy": family, "variant": variant, "workload": workload,
+                      "threshold": threshold, "ratio": worst, "per_batch": {str(b): v for b, v in per_batch.items()},
+                      "identical": identical,
+                      "met": bool(measured) and not failed and identical and worst >= threshold})
+
+    def plain(row):
+        return next((r for r in ok if r["family"] == "plain" and r["workload"] == row["workload"]
+                     and r["batch"] == row["batch"]), None)
+
+    def best_fixed(row):
+        candidates = [r for r in ok if r["workload"] == row["workload"] and r["batch"] == row["batch"]
+                      and (r["family"] == "plain" or (r["family"] == "fixed" and r["drafters"] == row["drafters"]))]
+        return max(candidates, key=lambda r: r["tokens_per_s"], default=None)
+
+    def best_single(row):
+        candidates = [r for r in ok if r["family"] == "fixed" and r["workload"] == row["workload"]
+                      and r["batch"] == row["batch"] and r["length"] == row["length"]
+                      and r["drafters"][0] in row["drafters"]]
+        return max(candidates, key=lambda r: r["tokens_per_s"], default=None)
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    for variant in ("per-row", "uniform"):
+        for w in workloads:
+            add(f"GoodputPolicy {variant} never more than 3% slower than plain decoding at any batch size",
+                "goodput", variant, w, plain, GOODPUT_VS_PLAIN)
+        for w in workloads:
+            add(f"GoodputPolicy {variant} within 5% of the best fixed length in hindsight at every batch size",
+                "goodput", variant, w, best_fixed, WITHIN_BEST_FIXED)
+    for w in workloads:
+        add("BatchAdaptivePolicy within 5% of the best fixed length in hindsight at every batch size",
+            "batch_adaptive", "", w, best_fixed, WITHIN_BEST_FIXED)
+    for variant in ("ucb", "epoch", "batch-level"):
+        for w in workloads:
+            mixed = w == "mixed"
+            add(f"BanditPolicy {variant} " + ("beats the best single drafter by >= 10% tokens/s" if mixed
+                                              else "within 5% of the best single drafter"),
+                "bandit", variant, w, best_single, BANDIT_MIXED_GAIN if mixed else BANDIT_HOMOGENEOUS)
+    return found
+
+
+# --- report ----------------------------------------------------------------------------------
+def _ratio_to_plain(rows: list[dict]) -> dict:
+    plain = {(r["workload"], r["batch"]): r["tokens_per_s"] for r in rows if r["family"] == "plain" and not r["error"]}
+    return {id(r): r["tokens_per_s"] / plain[(r["workload"], r["batch"])] for r in rows
+            if not r["error"] and (r["workload"], r["batch"]) in plain}
+
+
+def markdown(result: dict) -> str:
+    env, settings = result["environment"], result["settings"]
+    hardware = env.get("gpu", env.get("cpu", "?"))
+    rows = result["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    ratio = _ratio_to_plain(rows)
+    lines = [
+        "# Adaptive policies against fixed (drafter, length) pairs",
+        "",
+        f"Command: `{env['command']}` at commit `{env['commit'][:12]}`, {env['time']}.",
+        (f"Hardware: {hardware}{' (driver ' + env['driver'] + ')' if 'driver' in env else ''}; "
+        f"torch {env['torch']}, transformers {env['transformers']}, specdec {env['specdec']}."),
+        (f"Zoo `{settings['preset']}` ({result.get('dtype', settings['dtype'])}), drafters {', '.join(result['drafters'])}; "
+        f"GoodputPolicy and BatchAdaptivePolicy draft with {result['policy_drafter']}; "
+        f"{settings['max_new_tokens']} new tokens, greedy; batch 1: {settings['batch1_prompts']} requests one call "
+        f"each; batch B: max(B, {settings['num_prompts']}) requests in calls of B. "
+        "Every output is compared token for token with plain decoding of the same requests at the same batch size."),
+        "",
+    ]
+    for name, w in result.get("workloads", {}).items():
+        tau = ", ".join(f"{k} {v:.2f}" for k, v in w.get("oracle_lookup_tau", {}).items())
+        lines.append(f"- workload `{name}`: {w['num_copy']} copy-heavy and {w['num_continuation']} continuation "
+                     f"requests from {w['distinct_files']} held-out files; prompt lookup's tau if the target "
+                     f"reproduced each file: {tau}")
+    if "cost_model" in result:
+        cm = CostModel.from_dict(result["cost_model"])
+        names = result["cost_model"].get("drafter_names", [])
+        described = cm.describe().splitlines()
+        lines += ["", (f"Cost model, profiled in {result['timings'].get('profile_s', float('nan')):.1f} s "
+                      "through the runners generation uses:"), "", "```", described[0], described[1]]
+        lines += [f"  {names[i] if i < len(names) else i}: {d.describe()}" for i, d in enumerate(cm.drafters)]
+        lines += ["```"]
+    for name, part in result.get("tau_profile", {}).items():
+        taus = ", ".join(f"{k}: {v:.2f}" for k, v in part["expected_tokens"].items())
+        lines.append(f"- tau profile `{name}` ({result['policy_drafter']}, held-out requests), by draft length: {taus}; "
+                     f"fitted acceptance rate {part['acceptance_rate']:.3f} (GoodputPolicy's prior); "
+                     f"BatchAdaptivePolicy's table batch -> length {part['batch_adaptive_table']}")
+    targets = result.get("targets") or policy_targets(result)
+    lines += ["", "## Targets", "", "| target | workload | worst ratio | ratio by batch size | identical | met |",
+              "|---|---|---|---|---|---|"]
+    for t in targets:
+        by = ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in t["per_batch"].items())
+        lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {by} | "
+                     f"{'yes' if t['identical'] else 'no'} | {'yes' if t['met'] else 'no'} |")
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        lines += ["", f"## Tokens/s against plain decoding, workload `{workload}`", "",
+                  "| method | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
+        for method in dict.fromkeys(r["method"] for r in rows if r["workload"] == workload):
+            cells = []
+            for b in batches:
+                row = next((r for r in rows if r["workload"] == workload and r["method"] == method and r["batch"] == b), None)
+                if row is None:
+                    cells.append("-")
+                elif row["error"]:
+                    cells.append("failed")
+                else:
+                    mark = "" if row["identical"] in (True, None) else " (differs!)"
+                    cells.append(f"{ratio.get(id(row), float('nan')):.2f}x ({row['tokens_per_s']:.0f}){mark}")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += ["", "## Every run", "",
+              "| workload | batch | method | tok/s | vs plain | tau | mean k | drafter use (copy / continuation rows) | identical |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['workload']} | {r['batch']} | {r['method']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        use = " / ".join(", ".join(f"{n} {f:.0%}" for n, f in r["drafter_use"].get(kind, {}).items() if f > 0) or "-"
+                         for kind in KINDS) if len(r["drafters"]) > 1 else ""
+        same = {True: "yes", False: "no", None: "reference"}[r["identical"]]
+        lines.append(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | "
+                     f"{ratio.get(id(r), float('nan')):.2f}x | {r['tau']:.2f} | {r['mean_draft_tokens']:.2f} | {use} | {same} |")
+    if result.get("skipped"):
+        lines += ["", f"Skipped after the time limit: {len(result['skipped'])} runs."]
+    timings = ", ".join(f"{k} {v:.0f} s" for k, v in result.get("timings", {}).items())
+    lines += ["", f"Timings: {timings}."]
+    return "\n".join(lines) + "\n"
+
+
+POLICY_STYLE = {"goodput": "o-", "batch_adaptive": "s-", "bandit": "^-"}
+
+
+def _batch_axis(ax, batches: list[int]) -> None:
+    """A log2 batch-size axis labelled at the measured sizes only."""
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    if batches:
+        ax.set_xticks(batches, [str(b) for b in batches])
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def plot_policies(result: dict):
+    """One panel per workload: tokens/s over plain decoding against batch size for each policy,
+    the best fixed pair in hindsight and the best fixed length of the policies' drafter."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not r["error"]]
+    ratio = _ratio_to_plain(rows)
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, max(len(workloads), 1), figsize=(5.2 * max(len(workloads), 1), 4.6), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == workload]
+        batches = sorted({r["batch"] for r in mine})
+        fixed = [r for r in mine if r["family"] in ("fixed", "plain")]
+        best = [max((ratio[id(r)] for r in fixed if r["batch"] == b), default=float("nan")) for b in batches]
+        ax.plot(batches, best, "k--", linewidth=2, label="best fixed pair (hindsight)")
+        own = [max((ratio[id(r)] for r in fixed if r["batch"] == b
+                    and (r["family"] == "plain" or r["drafters"] == [result.get("policy_drafter")])), default=float("nan"))
+               for b in batches]
+        ax.plot(batches, own, ":", color="gray", linewidth=2, label=f"best k of {result.get('policy_drafter')}")
+        for method in dict.fromkeys(r["method"] for r in mine if r["family"] in POLICY_STYLE):
+            points = sorted((r for r in mine if r["method"] == method), key=lambda r: r["batch"])
+            ax.plot([r["batch"] for r in points], [ratio[id(r)] for r in points], POLICY_STYLE[points[0]["family"]],
+                    label=method, alpha=0.85)
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set(xlabel="batch size", ylabel="tokens/s / plain decoding", title=f"workload: {workload}")
+        _batch_axis(ax, batches)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{result['environment'].get('gpu', 'CPU')}: zoo '{result['settings']['preset']}', policies", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_fixed(result: dict):
+    """One panel per workload: every fixed (drafter, length) pair over plain decoding against batch size."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not r["error"]]
+    ratio = _ratio_to_plain(rows)
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, max(len(workloads), 1), figsize=(5.2 * max(len(workloads), 1), 4.6), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = list(result.get("drafters", []))
+    for ax, workload in zip(axes[0], workloads):
+        fixed = [r for r in rows if r["workload"] == workload and r["family"] == "fixed"]
+        lengths = sorted({r["length"] for r in fixed})
+        for method in dict.fromkeys(r["method"] for r in fixed):
+            points = sorted((r for r in fixed if r["method"] == method), key=lambda r: r["batch"])
+            drafter, k = points[0]["drafters"][0], points[0]["length"]
+            colour = colours[names.index(drafter) % len(colours)] if drafter in names else None
+            ax.plot([r["batch"] for r in points], [ratio[id(r)] for r in points], "o-", color=colour,
+                    alpha=0.35 + 0.65 * (lengths.index(k) + 1) / len(lengths), label=f"{drafter} k={k}")
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set(xlabel="batch size", ylabel="tokens/s / plain decoding", title=f"fixed pairs, {workload}")
+        _batch_axis(ax, sorted({r["batch"] for r in fixed}))
+    axes[0][0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
+    """JSON, markdown and two PNGs named ``stem`` in ``folder``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    result = {**result, "targets": policy_targets(result)}
+    paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=1))
+    paths[1].write_text(markdown(result))
+    if any(not r["error"] for r in result["rows"]):
+        for suffix, draw in (("", plot_policies), ("_fixed", plot_fixed)):
+            fig = draw(result)
+            paths.append(folder / f"{stem}{suffix}.png")
+            fig.savefig(paths[-1], dpi=110)
+            plt.close(fig)
+    return paths
+
+
+# --- command line ----------------------------------------------------------------------------
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specdec bench --policies",
+                                description="adaptive policies against fixed drafter/length pairs on mixed workloads")
+    d = PolicyBenchSettings()
+    p.add_argument("--preset", default=d.preset)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true",
+                   help="batch 1 and 8, 8 requests (2 at batch 1), at most 32 new tokens, k in {2, 4}, "
+                        "lookup and one model drafter, the tiny profile grid")
+    p.add_argument("--batch-sizes", default=",".join(map(str, d.batch_sizes)))
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests per workload at batch >= 2")
+    p.add_argument("--batch1-prompts", type=int, default=d.batch1_prompts)
+    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--workloads", default=",".join(d.workloads), help="of mixed, copy, continuation")
+    p.add_argument("--mixed-fraction", type=float, default=d.mixed_fraction)
+    p.add_argument("--drafters", default="", help="comma-separated: lookup and zoo drafter names "
+                   "(default: lookup and the --num-model-drafters of lowest held-out loss)")
+    p.add_argument("--num-model-drafters", type=int, default=d.num_model_drafters)
+    p.add_argument("--lengths", default=",".join(map(str, d.lengths)), help="fixed draft lengths")
+    p.add_argument("--max-draft-tokens", type=int, default=d.max_draft_tokens)
+    p.add_argument("--bandit-length", type=int, default=d.bandit_length)
+    p.add_argument("--policy-drafter", default=None)
+    p.add_argument("--goodput-decide-every", type=int, default=d.goodput_decide_every)
+    p.add_argument("--bandit-times", choices=("measured", "model"), default=d.bandit_times)
+    p.add_argument("--profile-grid", choices=("default", "tiny"), default=d.profile_grid)
+    p.add_argument("--time-limit-s", type=float, default=None, help="start no run after this many seconds")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--no-graphs", action="store_true", help="no CUDA graphs (eager passes; implies --no-compile)")
+    p.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile inside them")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--zoo-dir")
+    return p
+
+
+def settings_from(args) -> PolicyBenchSettings:
+    settings = PolicyBenchSettings(
+        preset=args.preset, device=args.device, dtype=args.dtype, zoo_dir=args.zoo_dir,
+        cuda_graphs=False if args.no_graphs else None, compile=False if args.no_compile else None, batch_sizes=_ints(args.batch_sizes), num_prompts=args.num_prompts,
+        batch1_prompts=args.batch1_prompts, prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+        workloads=tuple(w for w in args.workloads.split(",") if w), mixed_fraction=args.mixed_fraction,
+        drafters=tuple(n for n in args.drafters.split(",") if n), num_model_drafters=args.num_model_drafters,
+        lengths=_ints(args.lengths), max_draft_tokens=args.max_draft_tokens, bandit_length=args.bandit_length,
+        policy_drafter=args.policy_drafter, goodput_decide_every=args.goodput_decide_every,
+        bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed)
+    if args.quick:  # smaller settings, except where an option was given explicitly
+        defaults = parser().parse_args([])
+        quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
+                 "num_model_drafters": 1, "profile_grid": "tiny"}
+        chosen = {k: v for k, v in quick.items() if getattr(args, k) == getattr(defaults, k)}
+        settings = replace(settings, **chosen, profile_prompts=4, max_new_tokens=min(settings.max_new_tokens, 32))
+    unknown = set(settings.workloads) - set(STANDARD)
+    if unknown:
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {sorted(STANDARD)}")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = [a for a in sys.argv[1:] if a not in ("bench", "--policies")] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    settings = settings_from(args)
+    command = "python -m specdec bench --policies " + " ".join(argv)
+    stem = f"policies_{settings.preset}_{settings.device.split(':')[0]}_{time.strftime('%Y%m%d_%H%M%S')}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / f"{stem}.partial.json"
+    cost_model_path = out / f"{stem}.cost_model.json"
+    result = run(settings, checkpoint=lambda so_far: partial.write_text(json.dumps(so_far, indent=1)),
+                 command=command.strip(), cost_model_path=cost_model_path)
+    paths = write(result, out, stem)
+    for path in paths + [cost_model_path]:
+        print(f"wrote {path}", flush=True)
+    partial.unlink(missing_ok=True)
+    return 0
+

@@ -1,0 +1,169 @@
+"""``python -m specdec bench --policies`` end to end on CPU (tiny zoo, --quick): it writes JSON,
+markdown, two PNGs and the cost model, every run's output equals plain decoding on the same
+requests and batch size, and the notebook that reads such a file runs. The targets function is
+checked on synthetic rows, where each target's ratio is known. A smoke test, not a timing: no
+figure of the CPU run is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdec.__main__ import main
+from specdec.bench.policies import markdown, policy_targets
+from specdec.policies import CostModel
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny_zoo_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("policies")
+    argv = ["bench", "--policies", "--preset", "tiny", "--device", "cpu", "--quick", "--max-new-tokens", "12",
+            "--zoo-dir", str(tiny_zoo_root / "tiny"), "--out", str(out)]
+    assert main(argv) == 0
+    [path] = [p for p in out.glob("policies_tiny_cpu_*.json") if p.name.count(".") == 1]
+    return path
+
+
+def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
+    result = json.loads(quick_run.read_text())
+    rows = result["rows"]
+    families = {r["family"] for r in rows}
+    assert families == {"plain", "fixed", "goodput", "batch_adaptive", "bandit"}
+    assert {r["workload"] for r in rows} == {"mixed", "copy", "continuation"}
+    assert {r["batch"] for r in rows} == {1, 8}
+    assert all(not r["error"] for r in rows), [r["error"] for r in rows if r["error"]]
+    # plain decoding is the reference; every other run equals it token for token (float32 on CPU)
+    assert all(r["identical"] is None if r["family"] == "plain" else r["identical"] is True for r in rows)
+    # every fixed pair: prompt lookup and one model drafter at k in {2, 4}; three bandits; two goodputs
+    fixed = {(r["drafters"][0], r["length"]) for r in rows if r["family"] == "fixed"}
+    assert fixed == {(d, k) for d in result["drafters"] for k in (2, 4)} and len(result["drafters"]) == 2
+    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level"}
+    assert {r["variant"] for r in rows if r["family"] == "goodput"} == {"per-row", "uniform"}
+    assert sum(1 for r in rows if r["family"] == "fixed") == 4 * 3 * 2
+    # the mixed workload really mixes, and the bandits report what each kind of request used
+    assert result["workloads"]["mixed"]["num_copy"] == result["workloads"]["mixed"]["num_continuation"] == 4
+    bandit = next(r for r in rows if r["family"] == "bandit" and r["workload"] == "mixed")
+    assert set(bandit["drafter_use"]) == {"copy", "continuation"}
+    # environment, cost model (fitted in this run, and saved beside the results), tables, targets
+    env = result["environment"]
+    assert env["commit"] and env["command"].startswith("python -m specdec bench --policies")
+    model = CostModel.from_dict(result["cost_model"])
+    assert model.num_drafters == 2 and model.step_overhead_s >= 0
+    saved = CostModel.load(quick_run.with_name(quick_run.stem + ".cost_model.json"))
+    assert saved.as_dict() == model.as_dict()
+    assert set(result["tau_profile"]) == {"mixed", "copy", "continuation"}
+    assert {t["policy"] for t in result["targets"]} == {"goodput", "batch_adaptive", "bandit"}
+    assert len(result["targets"]) == 2 * 2 * 3 + 3 + 3 * 3
+    report = quick_run.with_suffix(".md").read_text()
+    assert "## Targets" in report and "| target | workload | worst ratio |" in report
+    for suffix in ("", "_fixed"):
+        assert quick_run.with_name(quick_run.stem + suffix + ".png").stat().st_size > 5000
+    assert not list(quick_run.parent.glob("*.partial.json"))
+
+
+def test_a_time_limit_skips_the_remaining_runs_and_still_reports(tiny_zoo_root, tmp_path):
+    argv = ["bench", "--policies", "--preset", "tiny", "--device", "cpu", "--quick", "--max-new-tokens", "4",
+            "--batch-sizes", "2", "--workloads", "mixed", "--lengths", "4", "--zoo-dir", str(tiny_zoo_root / "tiny"),
+            "--out", str(tmp_path), "--time-limit-s", "0"]
+    assert main(argv) == 0
+    [path] = [p for p in tmp_path.glob("policies_*.json") if p.name.count(".") == 1]
+    result = json.loads(path.read_text())
+    assert result["rows"] == [] and len(result["skipped"]) == 1 + 2 + 6
+    assert "Skipped after the time limit: 9 runs" in path.with_suffix(".md").read_text()
+
+
+def test_the_notebook_draws_a_results_file(quick_run, tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the [test] extras")
+    client = pytest.importorskip("nbclient", reason="the notebook tests need the [test] extras").NotebookClient
+    monkeypatch.setenv("SPECDEC_POLICIES_RESULTS", str(quick_run))
+    path = Path(__file__).resolve().parents[2] / "notebooks" / "02_policies.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    client(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert str(quick_run) in text and "0 failed or not identical" in text
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2
+    assert any("| target | workload |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
+
+
+# --- the targets, on synthetic rows --------------------------------------------------------------
+def _row(workload, batch, family, tokens_per_s, variant="", drafters=(), length=0, identical=True, error=""):
+    return {"workload": workload, "batch": batch, "family": family, "variant": variant, "drafters": list(drafters),
+            "length": length, "method": f"{family} {variant} {'/'.join(drafters)} {length}",
+            "tokens_per_s": tokens_per_s, "identical": None if family == "plain" else identical, "error": error,
+            "tau": 1.0, "mean_draft_tokens": 0.0, "drafter_use": {}}
+
+
+def synthetic_rows(goodput=(99.0, 198.0), adaptive=(120.0, 190.0), bandit_mixed=(150.0, 250.0),
+                   bandit_copy=(135.0, 220.0)):
+    """Two batch sizes (1, 8), workloads mixed and copy. Plain: 100 / 200 tok/s. Drafter d
+    (the policies' own): k=2 -> 110 / 180, k=4 -> 130 / 170 (so the best fixed length is k=4 at
+    batch 1 and plain decoding at batch 8); lookup at k=4: 120 / 210 on mixed, 140 / 230 on copy."""
+    rows = []
+    for workload in ("mixed", "copy"):
+        lookup = (120.0, 210.0) if workload == "mixed" else (140.0, 230.0)
+        for i, batch in enumerate((1, 8)):
+            rows += [_row(workload, batch, "plain", (100.0, 200.0)[i]),
+                     _row(workload, batch, "fixed", (110.0, 180.0)[i], drafters=("d",), length=2),
+                     _row(workload, batch, "fixed", (130.0, 170.0)[i], drafters=("d",), length=4),
+                     _row(workload, batch, "fixed", lookup[i], drafters=("lookup",), length=4),
+                     _row(workload, batch, "goodput", goodput[i], "per-row", ("d",), 8),
+                     _row(workload, batch, "batch_adaptive", adaptive[i], "", ("d",), 8),
+                     _row(workload, batch, "bandit", (bandit_mixed if workload == "mixed" else bandit_copy)[i], "ucb",
+                          ("lookup", "d"), 4)]
+    return rows
+
+
+def _by(targets, policy, workload, text):
+    [found] = [t for t in targets if t["policy"] == policy and t["workload"] == workload and text in t["target"]]
+    return found
+
+
+def test_targets_report_worst_ratios_and_whether_each_is_met():
+    targets = policy_targets({"rows": synthetic_rows()})
+    assert len(targets) == 2 * 2 + 2 + 2  # goodput (two claims), batch-adaptive, bandit; two workloads each
+    plain = _by(targets, "goodput", "mixed", "slower than plain")
+    assert plain["per_batch"] == {"1": 0.99, "8": 0.99} and plain["ratio"] == 0.99 and plain["met"]
+    best = _by(targets, "goodput", "mixed", "best fixed length")
+    # references: k=4 (130) at batch 1, plain decoding (200) at batch 8 -- not lookup, another drafter
+    assert best["per_batch"] == {"1": 99.0 / 130.0, "8": 198.0 / 200.0} and not best["met"]
+    adaptive = _by(targets, "batch_adaptive", "copy", "best fixed length")
+    assert adaptive["ratio"] == pytest.approx(120.0 / 130.0) and not adaptive["met"]
+    mixed = _by(targets, "bandit", "mixed", ">= 10%")
+    # the best single drafter at k=4: d at batch 1 (130 against lookup's 120), lookup at batch 8 (210)
+    assert mixed["per_batch"] == {"1": 150.0 / 130.0, "8": 250.0 / 210.0} and mixed["met"]
+    homogeneous = _by(targets, "bandit", "copy", "within 5%")
+    assert homogeneous["ratio"] == pytest.approx(220.0 / 230.0) and homogeneous["met"]
+    assert homogeneous["threshold"] == 0.95 and mixed["threshold"] == 1.10
+
+
+def test_targets_fail_on_slow_policies_on_outputs_that_differ_and_on_failed_runs():
+    targets = policy_targets({"rows": synthetic_rows(goodput=(96.0, 198.0), adaptive=(130.0, 200.0),
+                                                     bandit_mixed=(130.0, 250.0), bandit_copy=(130.0, 220.0))})
+    assert not _by(targets, "goodput", "copy", "slower than plain")["met"]  # 0.96 < 0.97 at batch 1
+    assert _by(targets, "batch_adaptive", "mixed", "best fixed")["met"]  # equals the best fixed length
+    assert not _by(targets, "bandit", "mixed", ">= 10%")["met"]  # 130 / 130 = 1.00 at batch 1
+    assert not _by(targets, "bandit", "copy", "within 5%")["met"]  # 130 / 140 = 0.93 at batch 1
+    rows = synthetic_rows()
+    differs = next(r for r in rows if r["family"] == "bandit" and r["workload"] == "copy" and r["batch"] == 8)
+    differs["identical"] = False  # fast but not lossless: not met
+    failed = next(r for r in rows if r["family"] == "goodput" and r["workload"] == "mixed" and r["batch"] == 8)
+    failed.update(error="RuntimeError: boom", tokens_per_s=float("nan"))
+    targets = policy_targets({"rows": rows})
+    homogeneous = _by(targets, "bandit", "copy", "within 5%")
+    assert not homogeneous["met"] and not homogeneous["identical"]
+    broken = _by(targets, "goodput", "mixed", "slower than plain")
+    assert broken["per_batch"] == {"1": 0.99, "8": None} and broken["ratio"] == 0.99 and not broken["met"]
+
+
+def test_the_report_renders_synthetic_results():
+    result = {"environment": {"command": "python -m specdec bench --policies", "commit": "abc", "time": "now",
+                              "cpu": "x86_64", "torch": "2", "transformers": "5", "specdec": "0.1"},
+              "settings": {"preset": "tiny", "dtype": "auto", "max_new_tokens": 8, "batch1_prompts": 2,
+                           "num_prompts": 8},
+              "drafters": ["lookup", "d"], "policy_drafter": "d", "rows": synthetic_rows()}
+    report = markdown(result)
+    assert "| BanditPolicy ucb beats the best single drafter by >= 10% tokens/s (needs 1.10) | mixed | 1.15 |" in report
+    assert "## Tokens/s against plain decoding, workload `copy`" in report
