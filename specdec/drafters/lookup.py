@@ -9,7 +9,7 @@ point masses (no probabilities), which the acceptance rule handles exactly.
 Example, tokens ``a b c d a b`` with max_ngram 2: the suffix ``a b`` last occurred at index 0,
 followed by ``c d a b``, so k = 3 proposes ``c d a``.
 
-Cost: on the host, O(rows x length x n) comparisons per step, vectorised over rows.
+Cost: on the host, max_ngram passes over the [rows, length] token array per step, vectorised.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..transfer import to_device
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..batch import BatchState
 from ..types import PAD_ID, Draft
@@ -34,25 +33,26 @@ def find_continuations(
     """
     num_rows, width = token_ids.shape
     max_tokens = int(num_tokens.max(initial=0))
-    match_start = np.full(num_rows, -1, dtype=np.int64)  # start of the chosen earlier occurrence
+    match_end = np.full(num_rows, -1, dtype=np.int64)  # index of the chosen occurrence's last token
     match_len = np.zeros(num_rows, dtype=np.int64)
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if width < n + 1:
+    ends = np.arange(width)  # candidate index E of an earlier occurrence's last token
+    # matches[b, E]: the n tokens ending at E equal row b's last n tokens; grown one n at a time
+    matches = (ends[None, :] < lengths[:, None] - 1) & (num_tokens[:, None] > 0)  # ends before the last token
+    shifted = np.full_like(token_ids, PAD_ID)
+    for n in range(1, max_ngram + 1):
+        j = n - 1  # compare the token j before E with the row's j-th last token
+        suffix_token = np.take_along_axis(token_ids, np.clip(lengths - 1 - j, 0, width - 1)[:, None], axis=1)  # [B, 1]
+        shifted[:, j:], shifted[:, :j] = token_ids[:, : width - j], PAD_ID  # shifted[b, E] = token_ids[b, E - j]
+        matches &= (shifted == suffix_token) & (lengths[:, None] > n)
+        if n < min_ngram:
             continue
-        undecided = (match_start < 0) & (lengths > n) & (num_tokens > 0)
-        if not undecided.any():
-            continue
-        windows = sliding_window_view(token_ids, n, axis=1)  # [B, T-n+1, n]
-        suffix_index = np.clip(lengths[:, None] - n + np.arange(n), 0, width - 1)  # [B, n]
-        suffix = np.take_along_axis(token_ids, suffix_index, axis=1)  # [B, n]
-        starts = np.arange(windows.shape[1])  # [W]
-        # an earlier occurrence must end before the row's last token
-        found = (windows == suffix[:, None, :]).all(axis=2) & (starts[None, :] + n < lengths[:, None])
-        found &= undecided[:, None]
-        has = found.any(axis=1)
-        latest = windows.shape[1] - 1 - np.argmax(found[:, ::-1], axis=1)
-        match_start = np.where(has, latest, match_start)
+        has = matches.any(axis=1)  # a longer n found later overrides a shorter one
+        latest = width - 1 - np.argmax(matches[:, ::-1], axis=1)
+        match_end = np.where(has, latest, match_end)
         match_len = np.where(has, n, match_len)
+        if not has.any():
+            break  # no row matches n tokens, so none matches more
+    match_start = np.where(match_end >= 0, match_end - match_len + 1, -1)
     first = match_start + match_len  # [B] index of the first proposed token
     counts = np.where(match_start >= 0, np.minimum(num_tokens, lengths - first), 0)
     columns = np.arange(max_tokens)

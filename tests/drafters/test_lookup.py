@@ -50,3 +50,33 @@ def test_rows_are_independent_in_one_call():
 def test_bad_ngram_bounds(min_n, max_n):
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupDrafter(min_ngram=min_n, max_ngram=max_n)
+
+
+def _brute_force(tokens, length, wanted, min_n, max_n):
+    """The definition, one row at a time: the longest n, then the latest earlier occurrence."""
+    for n in range(max_n, min_n - 1, -1):
+        if length <= n:
+            continue
+        suffix = list(tokens[length - n : length])
+        for start in range(length - n - 1, -1, -1):  # occurrences ending before the last token
+            if list(tokens[start : start + n]) == suffix:
+                first = start + n
+                return list(tokens[first : min(first + wanted, length)])
+    return []
+
+
+def test_find_continuations_equals_brute_force_on_random_rows():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        rows, width = int(rng.integers(1, 6)), int(rng.integers(2, 40))
+        tokens = rng.integers(0, int(rng.integers(2, 6)), (rows, width))  # small alphabets: many matches
+        lengths = rng.integers(1, width + 1, rows)
+        wanted = rng.integers(0, 6, rows)
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 5))
+        proposals, counts = find_continuations(tokens, lengths, wanted, min_n, max_n)
+        for r in range(rows):
+            expected = _brute_force(tokens[r], lengths[r], wanted[r], min_n, max_n) if wanted[r] else []
+            assert counts[r] == len(expected), (trial, r)
+            assert list(proposals[r, : counts[r]]) == expected, (trial, r)
+            assert (proposals[r, counts[r] :] == PAD_ID).all()
