@@ -20,6 +20,7 @@ from .transfer import to_device
 
 from . import inputs
 from .batch import BatchState
+from .distributed import tensor_parallel_group
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
@@ -92,6 +93,7 @@ def generate(
     graph_shape = (max_draft + 1, batch.num_rows * (max_draft + 1)) if cuda_graphs else None
     runner = runner_for(target, role="target", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1,
                         attention=attention, graph_shape=graph_shape, compile=compile)
+    group = tensor_parallel_group(target)  # None unless the target is sharded over processes
     recorder = StatsRecorder(batch.num_rows, max_draft)
     timer = PhaseTimer(device)
     with contextlib.ExitStack() as stack:  # unwinds in reverse: drafters finish before the target detaches
@@ -109,7 +111,7 @@ def generate(
             with timer.phase("verify"):
                 verdict, cost = verifier.verify(runner, batch, draft, sampling)
             rows = batch.active_rows()
-            host = verdict.to_host()  # the step's one synchronisation
+            host = verdict.to_host(group)  # the step's one synchronisation (rank 0 decides)
             lengths_before = batch.lengths.copy()
             appended = batch.commit(host)
             for d in drafters:

@@ -99,9 +99,14 @@ class Verdict:
     num_emitted: torch.Tensor  # [B] int64
     num_accepted: torch.Tensor  # [B] int64
 
-    def to_host(self) -> "HostVerdict":
-        """Copy to the host: the one synchronisation of a decoding step."""
+    def to_host(self, group=None) -> "HostVerdict":
+        """Copy to the host: the one synchronisation of a decoding step. With a process
+        ``group`` (a tensor-parallel target), every rank gets rank 0's verdict."""
         packed = torch.cat([self.token_ids, self.num_emitted[:, None], self.num_accepted[:, None]], dim=1)
+        if group is not None:
+            from .distributed import broadcast_from_first_rank
+
+            packed = broadcast_from_first_rank(packed, group)
         host = packed.cpu().numpy()  # [B, K+3], one transfer
         return HostVerdict(token_ids=host[:, :-2], num_emitted=host[:, -2], num_accepted=host[:, -1])
 
