@@ -29,7 +29,7 @@ def two_ranks(tmp_path_factory):
     drafter.save_pretrained(root / "drafter")
     (root / "target" / "prompts.json").write_text(json.dumps(prompts))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(REPO / "tests" / "distributed_worker.py"), str(root / "target"), str(root / "drafter"), str(root)]
     finished = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
