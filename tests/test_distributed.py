@@ -66,3 +66,14 @@ def test_an_unsharded_model_has_no_group():
     from specdec.distributed import tensor_parallel_group
 
     assert tensor_parallel_group(make_model("llama")) is None
+
+
+def test_the_documented_launch_command_runs(tiny_zoo_root):
+    """examples/tensor_parallel.py under torchrun, as the README says, on the tiny zoo."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(REPO / "examples" / "tensor_parallel.py"), "--preset", "tiny", "--zoo-dir",
+               str(tiny_zoo_root / "tiny"), "--max-new-tokens", "16"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    finished = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "identical to plain decoding: True" in finished.stdout
