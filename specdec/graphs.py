@@ -126,8 +126,9 @@ class GraphedForward:
         try:
             if self.compiled:
                 self._allocate_cache()
-                limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-                with torch._dynamo.config.patch(recompile_limit=limit):
+                name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+                limit = max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT)  # the name before torch 2.7
+                with torch._dynamo.config.patch(**{name: limit}):
                     self._capture_all()
             else:
                 self._capture_all()

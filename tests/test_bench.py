@@ -58,3 +58,24 @@ def test_targets_report_each_ratio_and_whether_it_is_met():
     assert floor["met"] and faster["ratio"] == 6.0 / 5.0 and faster["met"]
     result["rows"][1]["identical"] = False  # fast but not lossless: the target is not met
     assert not targets(result)[0]["met"]
+
+
+def test_the_floor_reads_the_input_embedding_one_row_per_token():
+    """Untied: a step reads every weight once but only the batch's rows of the input embedding;
+    tied: the output head reads the shared table whole."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.bench.bandwidth import floor_seconds
+
+    def llama(tied):
+        config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+        return LlamaForCausalLM(config)
+
+    for tied in (False, True):
+        model = llama(tied)
+        all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: the table once
+        kv_bytes = 3 * 10 * 2 * 2 * 2 * 16 * 4  # rows x context x (K, V) x layers x KV heads x head size x fp32
+        table_bytes = 0 if tied else 1000 * 64 * 4
+        expected = all_bytes - table_bytes + (0 if tied else 3 * 64 * 4) + kv_bytes
+        assert floor_seconds(model, batch=3, context=10, bandwidth=1.0) == expected

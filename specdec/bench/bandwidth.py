@@ -64,18 +64,24 @@ def random_llama(shape: str, dtype=torch.bfloat16):
 
 
 def floor_seconds(model, batch: int, context: int, bandwidth: float) -> float:
-    """Bytes one decoding step must read (every weight once, each row's KV cache) / bandwidth."""
+    """Bytes one decoding step must read / bandwidth: every weight once, except the input
+    embedding table, of which a step reads one row per token (unless it is tied to the output
+    head, which reads it whole), and each row's KV cache."""
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if embedding is not model.get_output_embeddings().weight:
+        weight_bytes += (batch - embedding.shape[0]) * embedding.shape[1] * embedding.element_size()
     head_dim = config.hidden_size // config.num_attention_heads
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
     return (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
 
 
-def replay_seconds(model, repeats: int = 50) -> float:
-    """Device time of one replay of the target's smallest graph (one token per row), back to back."""
+def replay_seconds(model, batch: int, repeats: int = 50) -> float:
+    """Device time of one replay of the graph a plain decoding step of ``batch`` rows runs (the
+    smallest bucket of at least ``batch`` tokens), back to back."""
     graphs = runners_of(model)["target"].graphs
-    bucket = min(graphs.graphs)
+    bucket = min(b for b in graphs.graphs if b >= batch)
     graph = graphs.graphs[bucket][0]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -180,7 +186,7 @@ def _measure_shape(shape: str, batch_sizes, context: int, new_tokens: int, modes
                 else:
                     step = _specdec_step_seconds(model, prompts, new_tokens, options)
                     graphed = options.get("cuda_graphs", False)
-                    row = _row(shape, model, batch, mode, step, floor, replay_seconds(model) if graphed else None)
+                    row = _row(shape, model, batch, mode, step, floor, replay_seconds(model, batch) if graphed else None)
                     if graphed and batch == batch_sizes[0]:
                         breakdowns[f"{shape} {mode}"] = kernel_breakdown(model)
             except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on

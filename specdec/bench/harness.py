@@ -123,7 +123,7 @@ def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
     records = heldout_prompts(zoo.heldout_texts(), tokenizer, settings.num_prompts, settings.prompt_tokens)
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
     graphs = settings.device.startswith("cuda")
-    compiled = graphs if settings.compile is None else settings.compile
+    compiled = graphs if settings.compile is None else (settings.compile and graphs)  # compile needs graphs
     drafters = {"prompt lookup": PromptLookupDrafter()}
     drafters.update({name: ModelDrafter(model, cuda_graphs=graphs, compile=compiled) for name, model in zoo.drafters.items()})
     smallest = min(zoo.drafters, key=lambda n: zoo.manifest["models"][n]["parameters"]) if zoo.drafters else None

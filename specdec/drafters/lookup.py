@@ -39,7 +39,7 @@ def find_continuations(
     # matches[b, E]: the n tokens ending at E equal row b's last n tokens; grown one n at a time
     matches = (ends[None, :] < lengths[:, None] - 1) & (num_tokens[:, None] > 0)  # ends before the last token
     shifted = np.full_like(token_ids, PAD_ID)
-    for n in range(1, max_ngram + 1):
+    for n in range(1, min(max_ngram, width - 1) + 1):  # a match of n tokens needs a row of n + 1
         j = n - 1  # compare the token j before E with the row's j-th last token
         suffix_token = np.take_along_axis(token_ids, np.clip(lengths - 1 - j, 0, width - 1)[:, None], axis=1)  # [B, 1]
         shifted[:, j:], shifted[:, :j] = token_ids[:, : width - j], PAD_ID  # shifted[b, E] = token_ids[b, E - j]

@@ -202,7 +202,8 @@ class BanditPolicy(Policy):
         if self.scope == "request":
             with np.errstate(divide="ignore", invalid="ignore"):
                 rewards = np.where(seconds > 0, emitted / seconds, np.nan)
-            self.bandits.update(rows, self._arms[rows], rewards)
+            drafted = self._asked[rows] > 0  # a row capped to 0 tokens did not try its arm this step
+            self.bandits.update(rows[drafted], self._arms[rows[drafted]], rewards[drafted])
         else:
             total = seconds.sum()
             self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [emitted.sum() / total if total > 0 else np.nan])

@@ -80,3 +80,9 @@ def test_find_continuations_equals_brute_force_on_random_rows():
             assert counts[r] == len(expected), (trial, r)
             assert list(proposals[r, : counts[r]]) == expected, (trial, r)
             assert (proposals[r, counts[r] :] == PAD_ID).all()
+
+
+def test_ngrams_longer_than_every_row_find_nothing():
+    tokens = np.array([[5, 6, 5], [1, 2, 3]])
+    proposals, counts = find_continuations(tokens, np.array([3, 2]), np.array([3, 3]), min_ngram=8, max_ngram=9)
+    assert counts.tolist() == [0, 0] and (proposals == PAD_ID).all()

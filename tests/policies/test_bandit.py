@@ -144,3 +144,20 @@ def test_model_time_attribution():
 def test_bad_bandit_options(kwargs):
     with pytest.raises(ValueError):
         BanditPolicy(**kwargs)
+
+
+def test_a_row_that_drafted_nothing_does_not_reward_its_arm():
+    """A request on its last step is capped to 0 draft tokens: that step says nothing about its
+    drafter, so the request's bandit does not count it."""
+    from specdec.batch import BatchState
+
+    batch = BatchState([np.arange(5), np.arange(5)], max_new_tokens=3, seeds=np.zeros(2, dtype=np.int64),
+                       eos_token_ids=np.zeros(0, dtype=np.int64))
+    batch.lengths = np.array([7, 5])  # row 0 may emit one more token: it drafts nothing; row 1 drafts
+    policy = BanditPolicy(num_draft_tokens=2, strategy="ucb", scope="request")
+    plan = policy.plan(batch, num_drafters=2)
+    record = make_record(drafted=[0, 2], emitted=[1, 3], drafter=list(plan.drafter_index),
+                         draft_s=0.2, verify_s=0.2, drafter_s=[0.1, 0.1])
+    policy.observe(record)
+    assert policy.bandits.counts[0].sum() == 0
+    assert policy.bandits.counts[1].sum() == 1
