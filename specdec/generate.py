@@ -105,6 +105,7 @@ def generate(
         prefill_time = time.perf_counter() - started
         step = 0
         while not batch.finished.all():
+            step_started = time.perf_counter()
             plan = _bounded(_checked(policy.plan(batch, len(drafters)), policy, batch, len(drafters)), batch)
             with timer.phase("draft"):
                 draft = _propose(drafters, batch, plan, device, vocab_size, timer)
@@ -128,6 +129,7 @@ def generate(
                 verify_time_s=times.get("verify", 0.0),
                 cost=cost,
                 drafter_time_s=np.array([times.get(f"drafter {i}", 0.0) for i in range(len(drafters))]),
+                step_time_s=time.perf_counter() - step_started,
             )
             recorder.record(record, time.perf_counter() - started, batch.finished)
             policy.observe(record)

@@ -46,6 +46,7 @@ class StepRecord:
     verify_time_s: float
     cost: VerifyCost
     drafter_time_s: np.ndarray | None = None  # [D] draft time of each drafter given to generate()
+    step_time_s: float | None = None  # host wall time of the whole step, from the policy's plan to the commit
 
 
 @dataclass

@@ -181,17 +181,21 @@ SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": s
 
 
 def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, search: str = "exact",
-                   min_gain: float = 0.10) -> tuple[np.ndarray, float, float]:
+                   min_gain: float = 0.10, speculative_scale: float = 1.0,
+                   plain_scale: float = 1.0) -> tuple[np.ndarray, float, float]:
     """Draft lengths [A] by ``search``, or all zeros unless they beat plain decoding by
-    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding."""
+    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding.
+    speculative_scale, plain_scale: measured / predicted step time of speculative and of plain
+    steps (online calibration); one factor for every k > 0 leaves the search's argmax unchanged
+    and moves only the comparison with plain decoding."""
     gains = np.asarray(gains, dtype=np.float64)
     caps = np.minimum(np.asarray(caps, dtype=np.int64), gains.shape[1])
     zeros = np.zeros(len(caps), dtype=np.int64)
-    plain = goodput_of(gains, zeros, step_time)
+    plain = goodput_of(gains, zeros, step_time) / plain_scale
     if len(caps) == 0 or caps.max() <= 0:
         return zeros, plain, plain
     k = SEARCH_FUNCTIONS[search](gains, caps, step_time)
-    chosen = goodput_of(gains, k, step_time)
+    chosen = goodput_of(gains, k, step_time) / (speculative_scale if k.any() else plain_scale)
     if chosen < (1.0 + min_gain) * plain:
         return zeros, plain, plain
     return k, chosen, plain
@@ -200,14 +204,17 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
 class GoodputPolicy(Policy):
     def __init__(self, cost_model: CostModel, max_draft_tokens: int = 8, search: str = "exact", drafter_index: int = 0,
                  min_gain: float = 0.10, decide_every: int = 1, prior: float = 0.5, estimator: str = "ema",
-                 window: int = 100, per_position: bool = False):
+                 window: int = 100, per_position: bool = False, calibrate: bool = True):
         """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);
         search: "exact", "greedy" (per-row lengths) or "uniform" (one length for the batch);
         min_gain: how much speculation must beat plain decoding by; decide_every: steps between
         decisions (lengths are kept, capped by each row's budget, in between); prior, estimator
         ("ema" or "window"), window: acceptance estimation; per_position: use per-position
         acceptance rates (a position a row has never reached keeps the prior) rather than one
-        rate per row."""
+        rate per row; calibrate: correct the cost model online by the measured wall time of
+        each step (``StepRecord.step_time_s``), one factor for speculative steps and one for
+        plain ones (EMA, 0.85 old / 0.15 new), so a model that under-predicts what speculation
+        costs at this batch size stops speculating once it has measured it."""
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 1:
@@ -225,6 +232,9 @@ class GoodputPolicy(Policy):
         self.estimator: AcceptanceEstimator | None = None
         self._batch = None
         self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s
+        self.calibrate = bool(calibrate)
+        self.time_scale = {"speculative": 1.0, "plain": 1.0}  # measured / predicted step time (EMA)
+        self._predicted_step_s = None
 
     @property
     def max_draft_tokens(self) -> int:
@@ -242,6 +252,10 @@ class GoodputPolicy(Policy):
             self._lengths = self._decide(batch, caps)
         self._steps += 1
         self._asked = np.minimum(self._lengths, caps)
+        active = batch.active_rows()
+        if self.calibrate and len(active):
+            step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
+            self._predicted_step_s = float(step_time(self._asked[active]))
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
                     num_draft_tokens=self._asked.copy())
 
@@ -258,11 +272,17 @@ class GoodputPolicy(Policy):
         gains = marginal_gains(rates) * self.estimator.coverage(self.drafter_index)[active][:, None]  # [A, K]
         step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
         chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
-            gains, caps[active], step_time, self.search, self.min_gain)
+            gains, caps[active], step_time, self.search, self.min_gain,
+            speculative_scale=self.time_scale["speculative"], plain_scale=self.time_scale["plain"])
         lengths[active] = chosen
         return lengths
 
     def observe(self, record: StepRecord) -> None:
+        measured = getattr(record, "step_time_s", None)
+        if self.calibrate and measured and self._predicted_step_s:
+            kind = "speculative" if self._asked.any() else "plain"
+            ratio = measured / self._predicted_step_s
+            self.time_scale[kind] = 0.85 * self.time_scale[kind] + 0.15 * ratio
         # a step in which no row was asked to draft teaches the estimator nothing (no trial, no
         # coverage change): skip the update, so plain decoding chosen by the policy stays cheap
         if self.estimator is not None and self._asked.any():

@@ -134,7 +134,8 @@ def test_goodput_is_exact_and_stops_drafting_when_it_does_not_pay(search):
     """A drafter that rarely agrees with the target, an optimistic prior (0.9): rows draft at
     first, their acceptance estimates fall, and they switch to plain decoding mid-generation."""
     prompts, eos = prompts_and_eos(5, seed=4)
-    policy = GoodputPolicy(speculation_cost_model(), max_draft_tokens=4, search=search, prior=0.9)
+    # synthetic seconds: no calibration against this machine's wall time
+    policy = GoodputPolicy(speculation_cost_model(), max_draft_tokens=4, search=search, prior=0.9, calibrate=False)
     _, recording = run(policy, [ModelDrafter(poor_drafter_model())], prompts, eos)
     switched_off = []
     for row in range(len(prompts)):
@@ -158,7 +159,7 @@ def test_goodput_with_a_good_drafter_is_exact_and_drafts_per_row(options):
     lengths in some step."""
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.02, drafters=[{"tokens": 0.05}, {"tokens": 0.01}])
     prompts, eos = prompts_and_eos(6, seed=5)
-    _, recording = run(GoodputPolicy(model, max_draft_tokens=5, **options), two_drafters(), prompts, eos)
+    _, recording = run(GoodputPolicy(model, max_draft_tokens=5, calibrate=False, **options), two_drafters(), prompts, eos)
     drafted = np.array([r.num_drafted.sum() for r in recording.records])
     assert drafted.sum() > 0
     differing = [p.num_draft_tokens[r.rows] for p, r in zip(recording.plans, recording.records)]

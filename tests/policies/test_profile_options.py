@@ -94,3 +94,35 @@ def test_profile_with_graphs_times_the_runner_generate_reuses():
     assert runner.graphs is not None and model.step_overhead_s >= 0
     out = generate(target, prompts, drafter=drafter, policy=FixedPolicy(4), max_new_tokens=40, **options)
     assert runners_of(target)["target"] is runner and len(out.sequences) == 4
+
+
+def _record(asked, emitted, seconds):
+    rows = np.arange(len(asked))
+    asked, emitted = np.asarray(asked), np.asarray(emitted)
+    return StepRecord(0, rows, np.zeros_like(asked), asked, emitted - 1, emitted, 0.0, 0.0, VerifyCost(0, 0),
+                      step_time_s=seconds)
+
+
+def test_goodput_calibration_switches_speculation_off_once_it_measures_what_it_costs():
+    """The cost model promises cheap drafting (a k = 4 step predicted at 1.2 s against 1 s plain,
+    for about 3.4 tokens per row); the measured speculative steps take 4x the prediction. After a
+    few measured steps the calibrated policy decodes plainly; an uncalibrated one keeps drafting;
+    and when the measurements match the model, the calibrated one keeps drafting too."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
+
+    def drafting_after(calibrate, slowdown, steps=12):
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, calibrate=calibrate)
+        for _ in range(steps):
+            plan = policy.plan(batch, 1)
+            asked = plan.num_draft_tokens
+            predicted = 1.0 + (0.05 * asked.max() if asked.any() else 0.0)
+            measured = predicted * (slowdown if asked.any() else 1.0)
+            policy.observe(_record(asked, np.minimum(asked, 3) + 1, measured))
+        return policy.plan(batch, 1).num_draft_tokens.max(), policy.time_scale
+
+    k, scale = drafting_after(calibrate=True, slowdown=4.0)
+    assert k == 0 and scale["speculative"] > 2.0
+    assert drafting_after(calibrate=False, slowdown=4.0)[0] == 4
+    k, scale = drafting_after(calibrate=True, slowdown=1.0)
+    assert k == 4 and scale["speculative"] == pytest.approx(1.0)
