@@ -8,7 +8,7 @@ from .acceptance import (
 )
 from .bandit import BanditPolicy, BanditState
 from .base import Policy
-from .batch_adaptive import BatchAdaptivePolicy, build_table, profile_expected_tokens
+from .batch_adaptive import BatchAdaptivePolicy, build_table, measure_round_times, profile_expected_tokens
 from .cost_model import CostModel, LinearTimeModel, ProfileGrid, profile
 from .fixed import FixedPolicy
 from .goodput import GoodputPolicy
@@ -29,5 +29,6 @@ __all__ = [
     "expected_emitted_table",
     "profile",
     "profile_expected_tokens",
+    "measure_round_times",
     "rate_from_expected_tokens",
 ]

@@ -94,6 +94,29 @@ def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[in
     return measured
 
 
+def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], draft_lengths: Sequence[int],
+                        max_new_tokens: int = 32, **generate_options) -> tuple[dict[int, float], dict]:
+    """A short measured profile, no model in between: for every batch size b and length s, one
+    generate() call on b requests (``prompts`` cycled) with FixedPolicy(s), warm runners assumed.
+
+    -> (l(s): tau averaged over the batch sizes, {(b, s): measured seconds per decoding step}).
+    """
+    from ..generate import generate  # the loop imports the policies package
+    from .fixed import FixedPolicy
+
+    taus: dict[int, list[float]] = {}
+    seconds: dict[tuple[int, int], float] = {}
+    for b in batch_sizes:
+        chosen = [prompts[i % len(prompts)] for i in range(int(b))]
+        for s in draft_lengths:
+            out = generate(target, chosen, drafter=drafter if s > 0 else None, policy=FixedPolicy(int(s)),
+                           max_new_tokens=max_new_tokens, **generate_options)
+            stats = out.stats
+            seconds[(int(b), int(s))] = (stats.wall_time_s - stats.prefill_time_s) / stats.steps
+            taus.setdefault(int(s), []).append(float(stats.tau))
+    return {s: float(np.mean(v)) for s, v in taus.items()}, seconds
+
+
 class BatchAdaptivePolicy(Policy):
     def __init__(self, table: Mapping[int, int], drafter_index: int = 0):
         """table: batch size -> draft length (``build_table`` or ``from_cost_model``);
@@ -121,6 +144,19 @@ class BatchAdaptivePolicy(Policy):
             expected_tokens = expected_tokens_from_rate(acceptance_rate, draft_lengths)
         round_time = cost_model_round_time(cost_model, context_len, drafter_index)
         return cls(build_table(batch_sizes, expected_tokens, round_time), drafter_index=drafter_index)
+
+    @classmethod
+    def from_measurements(cls, target, drafter, prompts, batch_sizes: Sequence[int] = (1, 4, 16, 64),
+                          draft_lengths: Sequence[int] = (0, 1, 2, 3, 4, 6, 8), max_new_tokens: int = 32,
+                          drafter_index: int = 0, **generate_options) -> BatchAdaptivePolicy:
+        """The table from measured round times and tau (``measure_round_times``) rather than a
+        fitted cost model: what the paper's short profile before serving does. Lookups between
+        the measured batch sizes take the entry below, as always."""
+        expected, seconds = measure_round_times(target, drafter, prompts, batch_sizes, draft_lengths,
+                                                max_new_tokens, **generate_options)
+        policy = cls(build_table(batch_sizes, expected, lambda b, s: seconds[(int(b), int(s))]), drafter_index)
+        policy.profile = {"expected_tokens": expected, "seconds_per_step": {f"{b},{s}": t for (b, s), t in seconds.items()}}
+        return policy
 
     @property
     def max_draft_tokens(self) -> int:

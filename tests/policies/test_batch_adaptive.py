@@ -100,3 +100,23 @@ def test_bad_tables():
         build_table([1], {2: 0.0}, lambda b, s: 1.0)
     with pytest.raises(ValueError, match="either"):
         BatchAdaptivePolicy.from_cost_model(CostModel.from_coefficients(1.0, 0.1, drafters=[{}]))
+
+
+def test_the_table_from_measurements_is_the_measured_argmax():
+    """from_measurements times real generate() rounds (tiny CPU models) and picks, per batch
+    size, the length of highest measured throughput b * l(s) / T(b, s)."""
+    import torch
+
+    from specdec.drafters import ModelDrafter
+    from tests.tiny import make_model, perturbed_copy, random_prompts
+
+    target = make_model("llama", dtype=torch.float32)
+    drafter = ModelDrafter(perturbed_copy(target, 0.05))
+    prompts = random_prompts(4, target.config.vocab_size, seed=3)
+    policy = BatchAdaptivePolicy.from_measurements(target, drafter, prompts, batch_sizes=(1, 4), draft_lengths=(0, 2, 4),
+                                                   max_new_tokens=8)
+    expected, seconds = policy.profile["expected_tokens"], policy.profile["seconds_per_step"]
+    assert set(expected) == {0, 2, 4} and expected[0] == 1.0 and expected[4] > 1.0
+    for b in (1, 4):
+        throughput = {s: b * expected[s] / seconds[f"{b},{s}"] for s in (0, 2, 4)}
+        assert policy.table[b] == max(throughput, key=throughput.get)
