@@ -3,8 +3,9 @@ arXiv 2503.15921, §III: heterogeneous drafters chosen by a multi-armed bandit w
 rate of tokens per second; ALGORITHMS.md §2 gives specdec's reading of it).
 
 Arms are the drafters given to generate(); every row drafts ``num_draft_tokens`` tokens with the
-drafter its bandit picks. ``scope="request"`` keeps one bandit per request (row), restarted with
-each generate() call; ``scope="batch"`` keeps one bandit for the whole batch that picks one
+drafter its bandit picks. ``scope="request"`` keeps one bandit per request (row), started with
+each generate() call from what earlier requests taught (``warm_start`` pseudo-pulls per arm at
+the population's mean reward); ``scope="batch"`` keeps one bandit for the whole batch that picks one
 drafter per step (a "time slot", as in the paper) and keeps learning across calls.
 
 Reward of a row in a step: tokens it emitted / seconds attributed to it. Attribution (our choice;
@@ -153,10 +154,13 @@ def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
 class BanditPolicy(Policy):
     def __init__(self, num_draft_tokens: int = 4, strategy: str = "ucb", scope: str = "request",
                  cost_model: CostModel | None = None, exploration: float = 1.0, epoch_length: int = 8,
-                 max_explore_fraction: float = 0.5):
+                 max_explore_fraction: float = 0.5, warm_start: int = 2):
         """num_draft_tokens: every row's draft length; strategy: "ucb" or "epoch"; scope:
         "request" (one bandit per row) or "batch" (one drafter for the whole batch per step);
-        cost_model: attribute predicted rather than measured times (optional)."""
+        cost_model: attribute predicted rather than measured times (optional); warm_start
+        (request scope): a new request's bandit starts from what every earlier request taught,
+        as up to this many pseudo-pulls per arm at the population's mean reward (0: each
+        request explores every arm from scratch, which eats a short request's life)."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
             raise ValueError(f"BanditPolicy's num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if strategy not in STRATEGIES:
@@ -171,6 +175,10 @@ class BanditPolicy(Policy):
                          "max_explore_fraction": max_explore_fraction}
         self.bandits: BanditState | None = None
         self._batch = None
+        if isinstance(warm_start, bool) or not isinstance(warm_start, (int, np.integer)) or warm_start < 0:
+            raise ValueError(f"warm_start must be an integer >= 0, got {warm_start!r}")
+        self.warm_start = int(warm_start)
+        self.population: BanditState | None = None  # request scope: every request's rewards, across calls
 
     @property
     def max_draft_tokens(self) -> int:
@@ -186,12 +194,24 @@ class BanditPolicy(Policy):
         fresh = self.bandits is None or self.bandits.num_arms != num_drafters
         if fresh or (self.scope == "request" and batch is not self._batch):
             self.bandits = BanditState(num_bandits, num_drafters, **self._options)
+            if self.scope == "request":
+                self._seed_from_population(num_drafters)
         self._batch = batch
         arms = self.bandits.choose()
         self._arms = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)
         self._asked = np.minimum(self.num_draft_tokens, np.maximum(batch.remaining - 1, 0))
         self._lengths = batch.lengths.copy()
         return Plan(drafter_index=self._arms.copy(), num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens, dtype=np.int64))
+
+    def _seed_from_population(self, num_drafters: int) -> None:
+        if self.population is None or self.population.num_arms != num_drafters:
+            self.population = BanditState(1, num_drafters, **self._options)
+        if self.warm_start == 0:
+            return
+        counts = self.population.counts[0]  # [D]
+        pseudo = np.minimum(counts, self.warm_start)  # [D]
+        self.bandits.counts[:] = pseudo
+        self.bandits.sums[:] = pseudo * (self.population.sums[0] / np.maximum(counts, 1))
 
     def observe(self, record: StepRecord) -> None:
         rows = np.asarray(record.rows, dtype=np.int64)
@@ -204,6 +224,8 @@ class BanditPolicy(Policy):
                 rewards = np.where(seconds > 0, emitted / seconds, np.nan)
             drafted = self._asked[rows] > 0  # a row capped to 0 tokens did not try its arm this step
             self.bandits.update(rows[drafted], self._arms[rows[drafted]], rewards[drafted])
+            self.population.update(np.zeros(int(drafted.sum()), dtype=np.int64), self._arms[rows[drafted]],
+                                   rewards[drafted])
         else:
             total = seconds.sum()
             self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [emitted.sum() / total if total > 0 else np.nan])

@@ -161,3 +161,28 @@ def test_a_row_that_drafted_nothing_does_not_reward_its_arm():
     policy.observe(record)
     assert policy.bandits.counts[0].sum() == 0
     assert policy.bandits.counts[1].sum() == 1
+
+
+def test_a_new_request_starts_from_what_earlier_requests_taught():
+    """Request scope: after a call in which drafter 1 emitted 3x the tokens of drafter 0 in the
+    same time, the next call's requests start on drafter 1 instead of trying drafter 0 first;
+    with warm_start=0 they explore from scratch (untried arms first)."""
+    from specdec.batch import BatchState
+
+    def batch():
+        return BatchState([np.arange(5), np.arange(5)], max_new_tokens=50, seeds=np.zeros(2, dtype=np.int64),
+                          eos_token_ids=np.zeros(0, dtype=np.int64))
+
+    def teach(policy):
+        first = batch()
+        for _ in range(6):
+            arms = policy.plan(first, num_drafters=2).drafter_index
+            emitted = np.where(arms == 1, 3, 1)
+            policy.observe(make_record(drafted=[2, 2], emitted=emitted.tolist(), drafter=arms.tolist(),
+                                       draft_s=0.2, verify_s=0.2, drafter_s=[0.1, 0.1]))
+        return policy.plan(batch(), num_drafters=2).drafter_index.tolist()
+
+    assert teach(BanditPolicy(num_draft_tokens=2, strategy="ucb", scope="request")) == [1, 1]
+    assert teach(BanditPolicy(num_draft_tokens=2, strategy="ucb", scope="request", warm_start=0)) == [0, 0]
+    with pytest.raises(ValueError, match="warm_start"):
+        BanditPolicy(warm_start=-1)
