@@ -1,15 +1,31 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: versions, CUDA tests, gpu zoo build, demo on CUDA.
-# Everything it learns is written under $OUT (the device tool brings that folder back).
+# One call on the GPU machine (it has no network and a bare disk): versions, the gpu zoo build,
+# then the parts named in $PARTS (space-separated), everything written under $OUT.
+#   tests     python -m pytest -m cuda (about 2 min)
+#   bench     python -m specdec bench (zoo against Hugging Face + bandwidth floor, about 7 min)
+#   quick     python -m specdec bench --quick (about 4 min)
+#   policies  python -m specdec bench --policies, 32 prompts per workload, cut at 330 s
+#   demo      python -m specdec demo --preset gpu --device cuda
+# A call may run at most 10 minutes: the zoo build takes about 3, so pick one long part per call.
+# Set SPECDEC_COMMIT to the commit being measured (the tree travels without .git).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true SPECDEC_ZOO_DIR=${SPECDEC_ZOO_DIR:-/tmp/zoo}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PARTS=${PARTS:-tests}
+quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config" ; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/versions.txt"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+if [[ " $PARTS " =~ " tests " ]]; then
+  timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
 fi
-export SPECDEC_ZOO_DIR=/tmp/zoo
-timeout "${BUILD_TIMEOUT:-480}" python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' | grep -v -E "Writing model|Loading weights" | awk 'NR%40==1 || !/it\/s/' | tee "$OUT/zoo_build.log"
-cp /tmp/zoo/gpu/manifest.json "$OUT/zoo_gpu_manifest.json" 2>/dev/null
-python3 -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | grep -v -i "warn\|Loading weights" | tee "$OUT/demo_gpu.log"
+if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " ]]; then
+  timeout "${BUILD_TIMEOUT:-300}" python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
+    | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$OUT/zoo_build.log"
+  cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$OUT/zoo_gpu_manifest.json" 2>/dev/null
+fi
+[[ " $PARTS " =~ " bench " ]] && python3 -m specdec bench --out "$OUT" 2>&1 | quiet | tee "$OUT/bench.log" | tail -40
+[[ " $PARTS " =~ " quick " ]] && python3 -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30
+[[ " $PARTS " =~ " policies " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --num-prompts 32 \
+  --time-limit-s 330 --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
+[[ " $PARTS " =~ " demo " ]] && python3 -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
+exit 0
