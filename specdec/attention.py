@@ -43,6 +43,16 @@ class AttentionMetadata:
     max_kv_len: int  # host: 1 + the largest position in the pass
     backend: Callable
 
+    def on(self, device: torch.device) -> "AttentionMetadata":
+        """The same description with its tensors on ``device``, made once per device: a model
+        whose layers sit on several devices (``device_map``) reads it in each layer's own."""
+        copies = self.__dict__.setdefault("_copies", {})
+        if device not in copies:
+            moved = {name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+                     for name, value in vars(self).items() if name != "_copies"}
+            copies[device] = AttentionMetadata(**moved)
+        return copies[device]
+
 
 def reference_attention(
     module: torch.nn.Module,
@@ -156,6 +166,8 @@ def specdec_attention(
             )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if meta.token_rows.device != query.device:  # a layer on another device than the embeddings
+        meta = meta.on(query.device)
     output = meta.backend(module, query, key, value, meta, scaling, sliding_window)
     return output, None
 

@@ -137,7 +137,9 @@ def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = Fa
     follows the fast backend. Graphs are opt-in until an intermittent capture failure, fixed in
     e145929, has stayed away (BENCHMARKS.md). compile fuses the small kernels of the graphed
     passes with torch.compile, so it needs graphs."""
-    fast_possible = device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
+    devices = {p.device for p in model.parameters()}
+    # one CUDA device: a model split over devices (device_map) runs the reference backend for now
+    fast_possible = len(devices) == 1 and device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
     if attention == "auto":
         attention = "fast" if fast_possible else "reference"
     if cuda_graphs == "auto":
@@ -194,6 +196,9 @@ class ModelRunner:
                 f"the fast attention backend runs on CUDA in float32, bfloat16 or float16; the model is "
                 f"{model.dtype} on {self.device}: use attention='reference' there"
             )
+        if attention == "fast" and len({p.device for p in model.parameters()}) > 1:
+            raise ValueError("the fast attention backend needs the whole model on one GPU; this one is split over "
+                             "several devices (device_map): use attention='reference' (or 'auto')")
         self.vocab_size = vocab_size_of(model)
         text_config = model.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
@@ -215,6 +220,9 @@ class ModelRunner:
 
         if self.device.type != "cuda" or self.attention != "fast":
             raise ValueError("CUDA graphs need a CUDA model and attention='fast'")
+        if len({p.device for p in self.model.parameters()}) > 1:
+            raise ValueError("CUDA graphs need the whole model on one device; this one is split over several "
+                             "(device_map): pass cuda_graphs=False")
         self.graphs = GraphedForward(self, max_group_tokens, max_tokens, compile=compile)
         with self.attached():
             self.graphs.capture()
@@ -290,7 +298,7 @@ class ModelRunner:
         )
         if not self._checked_layers:
             self._check_every_layer_ran()
-        return output.logits[0]
+        return output.logits[0].to(self.device)  # the head may sit on another device (device_map)
 
     def _check_every_layer_ran(self) -> None:
         written = self.cache.layers_written()

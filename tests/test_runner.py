@@ -135,3 +135,23 @@ def test_two_drafters_on_one_model_keep_their_own_runners():
     assert out.sequences == [hf_greedy(target, p, 10) for p in ([1, 2, 3, 4], [5, 6])]
     drafter_runners = [r for role, r in runners_of(shared).items() if role.startswith("drafter")]
     assert len(drafter_runners) == 2 and drafter_runners[0] is not drafter_runners[1]
+
+
+def test_attention_metadata_moves_to_a_layer_device_once():
+    """A model split over devices (device_map) reads the pass's metadata in each layer's device:
+    every tensor moves, host fields stay, and the copy is made once per device ('meta' stands
+    in for a second device on this CPU machine)."""
+    import numpy as np
+
+    from specdec.attention import reference_attention
+    from specdec.cache import KVCache
+    from specdec.runner import PackedLayout, packed_metadata
+
+    layout = PackedLayout(rows=np.array([0, 1]), starts=np.array([3, 5]), counts=np.array([2, 1]))
+    meta = packed_metadata(layout, KVCache(2, 3, 16), torch.device("cpu"), reference_attention)
+    moved = meta.on(torch.device("meta"))
+    assert moved is meta.on(torch.device("meta"))
+    assert moved.token_rows.device.type == "meta" and moved.group_query_positions.device.type == "meta"
+    assert (moved.max_group_tokens, moved.max_kv_len, moved.cache, moved.backend) == (
+        meta.max_group_tokens, meta.max_kv_len, meta.cache, meta.backend)
+    assert meta.token_rows.device.type == "cpu"
