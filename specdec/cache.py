@@ -15,6 +15,14 @@ import numpy as np
 import torch
 
 
+def store(key_cache: torch.Tensor, value_cache: torch.Tensor, token_rows: torch.Tensor, token_positions: torch.Tensor,
+          keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write keys and values [kv_heads, N, head_dim] into one layer's caches [rows, kv_heads,
+    max_len, head_dim] at (token_rows[n], token_positions[n])."""
+    key_cache[token_rows, :, token_positions] = keys.transpose(0, 1)
+    value_cache[token_rows, :, token_positions] = values.transpose(0, 1)
+
+
 class KVCache:
     def __init__(self, num_layers: int, max_rows: int, max_len: int):
         self.num_layers = num_layers
@@ -41,8 +49,7 @@ class KVCache:
             shape = (self.max_rows, num_kv_heads, self.max_len, head_dim)
             self.keys[layer_idx] = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
             self.values[layer_idx] = torch.zeros(shape, dtype=values.dtype, device=values.device)
-        self.keys[layer_idx][token_rows, :, token_positions] = keys.transpose(0, 1)
-        self.values[layer_idx][token_rows, :, token_positions] = values.transpose(0, 1)
+        store(self.keys[layer_idx], self.values[layer_idx], token_rows, token_positions, keys, values)
 
     def layers_written(self) -> int:
         return sum(k is not None for k in self.keys)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata
+from .cache import store
 
 
 @torch.library.custom_op("specdec::cached_packed_attention", mutates_args=("key_cache", "value_cache"))
@@ -33,8 +34,7 @@ def _cached_packed_attention(
     """query: [N, H, D]; key, value: [Hkv, N, D]; caches [R, Hkv, L, D] -> output [N, H, D]."""
     from .triton_attention import packed_attention
 
-    key_cache[token_rows, :, token_positions] = key.transpose(0, 1)
-    value_cache[token_rows, :, token_positions] = value.transpose(0, 1)
+    store(key_cache, value_cache, token_rows, token_positions, key, value)
     return packed_attention(query, key_cache, value_cache, token_positions, group_rows, group_first_token,
                             group_counts, max_group_tokens, scaling, sliding_window or None)
 

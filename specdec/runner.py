@@ -67,6 +67,11 @@ def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def is_split(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters sit on more than one device (``device_map``)."""
+    return len({p.device for p in model.parameters()}) > 1
+
+
 def check_supported(model: object) -> None:
     """Raise UnsupportedModelError naming why ``model`` cannot run through the runner."""
     if not isinstance(model, PreTrainedModel):
@@ -137,9 +142,8 @@ def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = Fa
     follows the fast backend. Graphs are opt-in until an intermittent capture failure, fixed in
     e145929, has stayed away (BENCHMARKS.md). compile fuses the small kernels of the graphed
     passes with torch.compile, so it needs graphs."""
-    devices = {p.device for p in model.parameters()}
     # one CUDA device: a model split over devices (device_map) runs the reference backend for now
-    fast_possible = len(devices) == 1 and device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
+    fast_possible = not is_split(model) and device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
     if attention == "auto":
         attention = "fast" if fast_possible else "reference"
     if cuda_graphs == "auto":
@@ -196,7 +200,7 @@ class ModelRunner:
                 f"the fast attention backend runs on CUDA in float32, bfloat16 or float16; the model is "
                 f"{model.dtype} on {self.device}: use attention='reference' there"
             )
-        if attention == "fast" and len({p.device for p in model.parameters()}) > 1:
+        if attention == "fast" and is_split(model):
             raise ValueError("the fast attention backend needs the whole model on one GPU; this one is split over "
                              "several devices (device_map): use attention='reference' (or 'auto')")
         self.vocab_size = vocab_size_of(model)
@@ -220,7 +224,7 @@ class ModelRunner:
 
         if self.device.type != "cuda" or self.attention != "fast":
             raise ValueError("CUDA graphs need a CUDA model and attention='fast'")
-        if len({p.device for p in self.model.parameters()}) > 1:
+        if is_split(self.model):
             raise ValueError("CUDA graphs need the whole model on one device; this one is split over several "
                              "(device_map): pass cuda_graphs=False")
         self.graphs = GraphedForward(self, max_group_tokens, max_tokens, compile=compile)

@@ -130,6 +130,7 @@ class BatchAdaptivePolicy(Policy):
             raise ValueError(f"drafter_index must be >= 0, got {drafter_index!r}")
         self.table = {int(b): int(s) for b, s in table.items()}
         self.drafter_index = int(drafter_index)
+        self.profile: dict | None = None  # what from_measurements measured
 
     @classmethod
     def from_cost_model(cls, cost_model: CostModel, expected_tokens: Mapping[int, float] | None = None,

@@ -248,20 +248,22 @@ class GoodputPolicy(Policy):
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
         caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
-        if self._steps % self.decide_every == 0:
-            self._lengths = self._decide(batch, caps)
+        active = batch.active_rows()
+        deciding = self._steps % self.decide_every == 0
+        step_time = None  # the cost model over the active rows, built once per step that needs it
+        if len(active) and (deciding or self.calibrate):
+            step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
+        if deciding:
+            self._lengths = self._decide(active, caps, step_time)
         self._steps += 1
         self._asked = np.minimum(self._lengths, caps)
-        active = batch.active_rows()
-        if self.calibrate and len(active):
-            step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
+        if self.calibrate and step_time is not None:
             self._predicted_step_s = float(step_time(self._asked[active]))
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
                     num_draft_tokens=self._asked.copy())
 
-    def _decide(self, batch, caps: np.ndarray) -> np.ndarray:
-        active = batch.active_rows()
-        lengths = np.zeros(batch.num_rows, dtype=np.int64)
+    def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None) -> np.ndarray:
+        lengths = np.zeros(len(caps), dtype=np.int64)
         if len(active) == 0:
             return lengths
         if self.per_position:
@@ -270,7 +272,6 @@ class GoodputPolicy(Policy):
             alpha = self.estimator.rate(self.drafter_index)[active]
             rates = np.repeat(alpha[:, None], self.max_draft_tokens, axis=1)
         gains = marginal_gains(rates) * self.estimator.coverage(self.drafter_index)[active][:, None]  # [A, K]
-        step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
         chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
             gains, caps[active], step_time, self.search, self.min_gain,
             speculative_scale=self.time_scale["speculative"], plain_scale=self.time_scale["plain"])
