@@ -20,7 +20,6 @@ from specdec.workloads import (
     WorkloadGenerator,
     copy_pattern,
     mean_oracle_lookup_tau,
-    oracle_lookup_tau,
 )
 
 
@@ -93,11 +92,7 @@ def test_a_copy_request_is_its_file_beginning_then_that_beginning_again(tiny, ge
 def test_prompt_lookup_finds_far_more_to_copy_in_copy_heavy_requests(tiny, generator):
     workload = generator.workload(0.5, 32)
     tau = mean_oracle_lookup_tau(workload, tiny.tokenizer, num_draft_tokens=4, max_new_tokens=64)
-    print(tau)
     assert tau["copy"] > 1.5 * tau["continuation"] and tau["copy"] > 2.5
-    for copy, continuation in generator.pairs(4):  # between 1 (never right) and k + 1 (always right)
-        for request in (copy, continuation):
-            assert 1.0 <= oracle_lookup_tau(request, tiny.tokenizer, 4, 64) <= 5.0
 
 
 def test_bad_settings_are_refused(tiny, generator):
