@@ -10,13 +10,15 @@ CostModel on the same device through the same runners (CUDA graphs and compile a
 uses them), with the decoding loop's per-step overhead; measure tau per draft length on a few
 held-out requests of each workload and build BatchAdaptivePolicy's table from it and the cost
 model; then, for each batch size (largest first), workload and method: one short untimed
-warm-up call on the chunk with the longest prompts, then the timed calls (batch B: the first
-max(B, num_prompts) requests in calls of B; batch 1: the first batch1_prompts requests, one per
-call), the device synchronised around the timed window.
+warm-up call on the chunk with the longest prompts, then ``repeats`` timed passes over the
+requests (batch B: the first max(B, num_prompts) requests in calls of B; batch 1: the first
+batch1_prompts requests, one per call), each with a fresh policy, the device synchronised around
+each timed window; tokens/s from the median pass. ``--merge`` joins runs made at different batch
+sizes (one GPU call each) into one report.
 
 Invariant: every output of every run is compared token for token with plain decoding of the
-same requests at the same batch size (``identical``; greedy); every figure was measured in this
-run; a policy object is made fresh for each timed run (the batch-level bandit learns across the
+same requests at the same batch size (``identical``: every pass; greedy); every figure was
+measured in this run; a policy object is made fresh for each timed pass (the batch-level bandit learns across the
 calls of its run, not from the warm-up).
 
 Results: JSON (environment, settings, workloads, cost model, tables, every run, the targets), a
@@ -90,6 +92,7 @@ class PolicyBenchSettings:
     profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile
     tau_profile_tokens: int = 32
     warmup_tokens: int = 8  # new tokens of each untimed warm-up call
+    repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median
     time_limit_s: float | None = None  # no run starts after this many seconds
     seed: int = 0
 
@@ -348,7 +351,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
                 references[(workload_name, batch)] = row_sequences
                 row["identical"], row["agreement"] = None, 1.0
             else:
-                row["identical"] = row_sequences == reference
+                row["identical"] = row_sequences == reference and row["passes_agree"]
                 row["agreement"] = agreement(row_sequences, reference)
         result["rows"].append(row)
         save(result)
@@ -374,14 +377,21 @@ def measure(target, drafters: dict, method: Method, workload: str, prompts: list
     chunks = [prompts[i : i + batch] for i in starts]
     longest = max(range(len(chunks)), key=lambda c: max(map(len, chunks[c])))
     generate(target, chunks[longest], policy=method.make(workload), max_new_tokens=settings.warmup_tokens, **kwargs)
-    policy = method.make(workload)
-    tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in starts]
-    _synchronise(settings.device)
-    started = time.perf_counter()
-    outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
-               for chunk, tally in zip(chunks, tallies)]
-    _synchronise(settings.device)
-    seconds = time.perf_counter() - started
+    timings, passes = [], []
+    for _ in range(settings.repeats):
+        policy = method.make(workload)
+        tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in starts]
+        _synchronise(settings.device)
+        started = time.perf_counter()
+        outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
+                   for chunk, tally in zip(chunks, tallies)]
+        _synchronise(settings.device)
+        timings.append(time.perf_counter() - started)
+        passes.append((outputs, tallies))
+    seconds = float(np.median(timings))
+    # the statistics of the pass whose time is the median (adaptive policies may choose differently)
+    outputs, tallies = passes[int(np.argsort(timings)[len(timings) // 2])]
+    every_pass = [[s for out in outs for s in out.sequences] for outs, _ in passes]
     sequences = [s for out in outputs for s in out.sequences]
     tokens = sum(map(len, sequences))
     row_steps = sum(r.steps for out in outputs for r in out.stats.requests)
@@ -400,7 +410,9 @@ def measure(target, drafters: dict, method: Method, workload: str, prompts: list
         "mean_draft_tokens_by_kind": {kind: float(drafted[k] / by_kind_steps[k]) for k, kind in enumerate(KINDS)
                                       if by_kind_steps[k] > 0},
         "drafter_use": use,  # per kind: fraction of row-steps in which each drafter proposed
+        "pass_seconds": timings,
         "sequences": sequences,
+        "passes_agree": all(p == sequences for p in every_pass),
     }
 
 
@@ -538,6 +550,12 @@ def markdown(result: dict) -> str:
         "Every output is compared token for token with plain decoding of the same requests at the same batch size."),
         "",
     ]
+    for i, part in enumerate(result.get("parts", [])):
+        lines.append(f"- part {i + 1} of {len(result['parts'])}: batch sizes {part['batch_sizes']}, "
+                     f"`{part['environment'].get('command', '?')}` at commit `{part['environment'].get('commit', '?')[:12]}`, "
+                     f"{part['environment'].get('time', '?')}")
+    if result.get("parts"):
+        lines.append("")
     for name, w in result.get("workloads", {}).items():
         tau = ", ".join(f"{k} {v:.2f}" for k, v in w.get("oracle_lookup_tau", {}).items())
         lines.append(f"- workload `{name}`: {w['num_copy']} copy-heavy and {w['num_continuation']} continuation "
@@ -691,6 +709,46 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
     return paths
 
 
+# --- merging runs ----------------------------------------------------------------------------
+MERGEABLE = {"batch_sizes", "time_limit_s"}  # settings that may differ between merged parts
+
+
+def merge(results: list[dict]) -> dict:
+    """Runs of the same experiment over different batch sizes (one GPU call each) -> one result:
+    rows and skipped runs concatenated, targets recomputed over all of them. Every part must have
+    the same settings but ``MERGEABLE`` and hold different batch sizes; the first part's cost
+    model and tau profile head the report and every part's are kept under ``parts``."""
+    if len(results) < 2:
+        raise ValueError("merge needs at least two results")
+    first = results[0]
+    for other in results[1:]:
+        if other.get("format") != first.get("format"):
+            raise ValueError(f"cannot merge results of formats {first.get('format')!r} and {other.get('format')!r}")
+        differing = sorted(k for k in set(first["settings"]) | set(other["settings"])
+                           if k not in MERGEABLE and first["settings"].get(k) != other["settings"].get(k))
+        if differing:
+            raise ValueError(f"cannot merge runs whose settings differ in {differing}: run them with the same options "
+                             "except --batch-sizes and --time-limit-s")
+    seen: dict[int, int] = {}
+    for i, part in enumerate(results):
+        for batch in {r["batch"] for r in part["rows"]}:
+            if batch in seen:
+                raise ValueError(f"parts {seen[batch]} and {i} both measured batch {batch}: merge runs of different batch sizes")
+            seen[batch] = i
+    merged = {**first, "settings": dict(first["settings"]), "timings": {}, "rows": [], "skipped": []}
+    merged["settings"]["batch_sizes"] = sorted(seen)
+    merged["parts"] = [{"environment": part["environment"], "batch_sizes": part["settings"]["batch_sizes"],
+                        "timings": part.get("timings", {}), "cost_model": part.get("cost_model"),
+                        "tau_profile": part.get("tau_profile")} for part in results]
+    for part in results:
+        merged["rows"] += part["rows"]
+        merged["skipped"] += part.get("skipped", [])
+        for key, value in part.get("timings", {}).items():
+            merged["timings"][key] = merged["timings"].get(key, 0.0) + value
+    merged["targets"] = policy_targets(merged)
+    return merged
+
+
 # --- command line ----------------------------------------------------------------------------
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v)
@@ -723,6 +781,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bandit-times", choices=("measured", "model"), default=d.bandit_times)
     p.add_argument("--profile-grid", choices=("default", "tiny"), default=d.profile_grid)
     p.add_argument("--time-limit-s", type=float, default=None, help="start no run after this many seconds")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per run (median); --quick: 1")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="merge results of the same experiment at different batch sizes into one report (no run)")
+    p.add_argument("--name", default=None, help="file stem of the written results")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--no-graphs", action="store_true", help="no CUDA graphs (eager passes; implies --no-compile)")
@@ -741,11 +803,14 @@ def settings_from(args) -> PolicyBenchSettings:
         drafters=tuple(n for n in args.drafters.split(",") if n), num_model_drafters=args.num_model_drafters,
         lengths=_ints(args.lengths), max_draft_tokens=args.max_draft_tokens, bandit_length=args.bandit_length,
         policy_drafter=args.policy_drafter, goodput_decide_every=args.goodput_decide_every,
-        bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed)
+        bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed,
+        repeats=args.repeats)
+    if settings.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {settings.repeats}")
     if args.quick:  # smaller settings, except where an option was given explicitly
         defaults = parser().parse_args([])
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
-                 "num_model_drafters": 1, "profile_grid": "tiny"}
+                 "num_model_drafters": 1, "profile_grid": "tiny", "repeats": 1}
         chosen = {k: v for k, v in quick.items() if getattr(args, k) == getattr(defaults, k)}
         settings = replace(settings, **chosen, profile_prompts=4, max_new_tokens=min(settings.max_new_tokens, 32))
     unknown = set(settings.workloads) - set(STANDARD)
@@ -757,10 +822,18 @@ def settings_from(args) -> PolicyBenchSettings:
 def main(argv: list[str] | None = None) -> int:
     argv = [a for a in sys.argv[1:] if a not in ("bench", "--policies")] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    out = Path(args.out)
+    if args.merge:
+        try:
+            result = merge([json.loads(Path(path).read_text()) for path in args.merge])
+        except (OSError, ValueError, KeyError) as error:
+            raise SystemExit(f"cannot merge {args.merge}: {error}") from error
+        for path in write(result, out, args.name or "policies_merged"):
+            print(f"wrote {path}", flush=True)
+        return 0
     settings = settings_from(args)
     command = "python -m specdec bench --policies " + " ".join(argv)
-    stem = f"policies_{settings.preset}_{settings.device.split(':')[0]}_{time.strftime('%Y%m%d_%H%M%S')}"
-    out = Path(args.out)
+    stem = args.name or f"policies_{settings.preset}_{settings.device.split(':')[0]}_{time.strftime('%Y%m%d_%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"{stem}.partial.json"
     cost_model_path = out / f"{stem}.cost_model.json"

@@ -209,3 +209,28 @@ class AcceptanceEstimator:
             self._asked[rows, drafter, slot] = 0.0
             self._proposed[rows, drafter, slot] = 0.0
         self._slot[rows, drafter] = (slot + 1) % self.window
+
+    # --- forgetting ----------------------------------------------------------------------
+    def relax(self, rows: np.ndarray, drafter_index: int, weight: float) -> None:
+        """Move the estimates of ``rows`` for one drafter ``weight`` of the way back to the prior
+        (a row that has stopped drafting gets no new evidence; without this, a run of rejections
+        would keep it from drafting for good). EMA: a convex step towards the prior (coverage
+        towards 1); window: the oldest max(1, round(weight * window)) entries are forgotten, so
+        an emptied window reads the prior."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) == 0 or weight <= 0:
+            return
+        d = int(drafter_index)
+        prior = self.prior[d]
+        if self.mode == "ema":
+            self._position[rows, d] += weight * (prior - self._position[rows, d])
+            self._rate[rows, d] += weight * (prior - self._rate[rows, d])
+            self._coverage[rows, d] += weight * (1.0 - self._coverage[rows, d])
+            return
+        for _ in range(min(max(1, round(weight * self.window)), self.window)):
+            oldest = self._slot[rows, d]  # the next slot to write is the oldest one
+            self._successes[rows, d, oldest] = 0.0
+            self._trials[rows, d, oldest] = 0.0
+            self._asked[rows, d, oldest] = 0.0
+            self._proposed[rows, d, oldest] = 0.0
+            self._slot[rows, d] = (oldest + 1) % self.window

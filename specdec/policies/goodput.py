@@ -34,8 +34,11 @@ Searches:
 
 Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
 every row decodes plainly this step. Acceptance is re-estimated after every step (EMA 0.85/0.15
-or a window of 100 steps, cold start at ``prior``); rows that stop drafting keep their last
-estimate, so speculation comes back only when the batch or the context changes the trade-off.
+or a window of 100 steps, cold start at ``prior``); a row that does not draft drifts back towards
+the prior (``revisit``), so a run of rejections does not switch it off for good. The step-time
+model is corrected online by measured wall times (StepTimeCalibration), per bucket of active
+rows: the fitted model can under-predict what drafting costs at a large batch, and a batch's
+straggling last rows are a different trade-off from its first 64.
 
 Invariant: the policy changes only how many tokens are drafted; output is the target's own.
 """
@@ -72,6 +75,17 @@ class LinearStepTime:
         drafting = (k > 0).any(axis=-1)
         per_row = (self.row_cost * (k > 0) + self.token_cost * k).sum(axis=-1)
         return self.base + per_row + drafting * (self.draft_fixed + self.depth_cost * k.max(axis=-1, initial=0))
+
+    def extra(self, k: np.ndarray) -> np.ndarray:
+        """What drafting k [..., A] adds to the plain step: T(k) - base."""
+        return self(k) - self.base
+
+    def calibrated(self, base_scale: float, extra_scale: float) -> LinearStepTime:
+        """The same model with the plain step scaled by ``base_scale`` and everything drafting
+        adds scaled by ``extra_scale`` (measured / predicted, see GoodputPolicy)."""
+        return LinearStepTime(base=self.base * base_scale, token_cost=self.token_cost * extra_scale,
+                              row_cost=np.asarray(self.row_cost) * extra_scale, draft_fixed=self.draft_fixed * extra_scale,
+                              depth_cost=self.depth_cost * extra_scale)
 
     @classmethod
     def from_cost_model(cls, cost_model: CostModel, lengths: np.ndarray, drafter_index: int = 0) -> LinearStepTime:
@@ -181,30 +195,74 @@ SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": s
 
 
 def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, search: str = "exact",
-                   min_gain: float = 0.10, speculative_scale: float = 1.0,
-                   plain_scale: float = 1.0) -> tuple[np.ndarray, float, float]:
+                   min_gain: float = 0.10) -> tuple[np.ndarray, float, float]:
     """Draft lengths [A] by ``search``, or all zeros unless they beat plain decoding by
-    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding.
-    speculative_scale, plain_scale: measured / predicted step time of speculative and of plain
-    steps (online calibration); one factor for every k > 0 leaves the search's argmax unchanged
-    and moves only the comparison with plain decoding."""
+    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding."""
     gains = np.asarray(gains, dtype=np.float64)
     caps = np.minimum(np.asarray(caps, dtype=np.int64), gains.shape[1])
     zeros = np.zeros(len(caps), dtype=np.int64)
-    plain = goodput_of(gains, zeros, step_time) / plain_scale
+    plain = goodput_of(gains, zeros, step_time)
     if len(caps) == 0 or caps.max() <= 0:
         return zeros, plain, plain
     k = SEARCH_FUNCTIONS[search](gains, caps, step_time)
-    chosen = goodput_of(gains, k, step_time) / (speculative_scale if k.any() else plain_scale)
+    chosen = goodput_of(gains, k, step_time)
     if chosen < (1.0 + min_gain) * plain:
         return zeros, plain, plain
     return k, chosen, plain
 
 
+def row_bucket(num_rows: int) -> int:
+    """The power of two >= num_rows: calibration keeps one correction per bucket of active rows."""
+    return 1 << max(int(num_rows) - 1, 0).bit_length()
+
+
+class StepTimeCalibration:
+    """Online correction of a LinearStepTime by measured step wall times, per bucket of active
+    rows (row_bucket), since what a model mis-predicts differs between 64 rows and 3.
+
+    A plain step measured at m seconds against a predicted base P0 gives base_scale = m / P0; a
+    speculative step against predicted base P0 and extra E = T(k) - P0 gives
+    extra_scale = (m - base_scale * P0) / E (clipped to [0.05, 50]). The first measurement of a
+    bucket is taken as it is and later ones enter an EMA (0.85 old / 0.15 new); a bucket never
+    measured starts at 1 (the model as profiled), so each new bucket is tried once. Steps whose
+    time includes one-off work (a model drafter's catch-up on a whole prompt) are not fed in.
+
+    Invariant: scales are positive; with no measurements the calibrated model is the model."""
+
+    OLD_WEIGHT = 0.85
+    EXTRA_CLIP = (0.05, 50.0)
+
+    def __init__(self):
+        self.base_scale: dict[int, float] = {}
+        self.extra_scale: dict[int, float] = {}
+
+    def apply(self, step_time: LinearStepTime, num_rows: int) -> LinearStepTime:
+        bucket = row_bucket(num_rows)
+        return step_time.calibrated(self.base_scale.get(bucket, 1.0), self.extra_scale.get(bucket, 1.0))
+
+    def _blend(self, table: dict, bucket: int, sample: float) -> None:
+        old = table.get(bucket)
+        table[bucket] = sample if old is None else self.OLD_WEIGHT * old + (1.0 - self.OLD_WEIGHT) * sample
+
+    def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: float) -> None:
+        """step_time: the uncalibrated model over the step's A active rows; k: [A] their lengths."""
+        bucket = row_bucket(len(k))
+        if step_time.base <= 0 or measured_s <= 0:
+            return
+        if not np.any(k):
+            self._blend(self.base_scale, bucket, measured_s / step_time.base)
+            return
+        extra = float(step_time.extra(k))
+        if extra <= 0:
+            return
+        base = self.base_scale.get(bucket, 1.0) * step_time.base
+        self._blend(self.extra_scale, bucket, float(np.clip((measured_s - base) / extra, *self.EXTRA_CLIP)))
+
+
 class GoodputPolicy(Policy):
     def __init__(self, cost_model: CostModel, max_draft_tokens: int = 8, search: str = "exact", drafter_index: int = 0,
                  min_gain: float = 0.10, decide_every: int = 1, prior: float = 0.5, estimator: str = "ema",
-                 window: int = 100, per_position: bool = False, calibrate: bool = True):
+                 window: int = 100, per_position: bool = False, calibrate: bool = True, revisit: float = 0.05):
         """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);
         search: "exact", "greedy" (per-row lengths) or "uniform" (one length for the batch);
         min_gain: how much speculation must beat plain decoding by; decide_every: steps between
@@ -212,9 +270,12 @@ class GoodputPolicy(Policy):
         ("ema" or "window"), window: acceptance estimation; per_position: use per-position
         acceptance rates (a position a row has never reached keeps the prior) rather than one
         rate per row; calibrate: correct the cost model online by the measured wall time of
-        each step (``StepRecord.step_time_s``), one factor for speculative steps and one for
-        plain ones (EMA, 0.85 old / 0.15 new), so a model that under-predicts what speculation
-        costs at this batch size stops speculating once it has measured it."""
+        each step (``StepRecord.step_time_s``; StepTimeCalibration: the plain step and what
+        drafting adds, per bucket of active rows), so a model that under-predicts what
+        speculation costs at this batch size stops speculating once it has measured it;
+        revisit: each step a row does not draft, its acceptance estimate moves this fraction of
+        the way back to the prior, so a row switched off by a run of rejections is tried again
+        (after about 1 / revisit steps) when the prior says drafting pays; 0 never revisits."""
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 1:
@@ -225,16 +286,18 @@ class GoodputPolicy(Policy):
             raise ValueError(f"drafter_index {drafter_index} is not timed by the cost model ({cost_model.num_drafters} drafter(s))")
         if min_gain < 0 or decide_every < 1:
             raise ValueError(f"need min_gain >= 0 and decide_every >= 1, got {min_gain!r} and {decide_every!r}")
+        if not 0.0 <= revisit <= 1.0:
+            raise ValueError(f"revisit must lie in [0, 1], got {revisit!r}")
         self.cost_model, self.search, self.drafter_index = cost_model, search, int(drafter_index)
         self._max_draft_tokens = int(max_draft_tokens)
         self.min_gain, self.decide_every, self.per_position = float(min_gain), int(decide_every), per_position
+        self.revisit = float(revisit)
         self._estimator_options = {"prior": prior, "mode": estimator, "window": window}
         self.estimator: AcceptanceEstimator | None = None
         self._batch = None
         self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s
-        self.calibrate = bool(calibrate)
-        self.time_scale = {"speculative": 1.0, "plain": 1.0}  # measured / predicted step time (EMA)
-        self._predicted_step_s = None
+        self.calibration = StepTimeCalibration() if calibrate else None  # kept across generate() calls
+        self._step = None  # (uncalibrated step time, active rows) of the planned step, for calibration
 
     @property
     def max_draft_tokens(self) -> int:
@@ -246,19 +309,21 @@ class GoodputPolicy(Policy):
         if batch is not self._batch:
             self._batch, self._steps = batch, 0
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
+            self._has_drafted = np.zeros(batch.num_rows, dtype=bool)  # a model drafter's first step carries the prompt
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
         caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
         active = batch.active_rows()
         deciding = self._steps % self.decide_every == 0
         step_time = None  # the cost model over the active rows, built once per step that needs it
-        if len(active) and (deciding or self.calibrate):
+        if len(active) and (deciding or self.calibration is not None):
             step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
         if deciding:
             self._lengths = self._decide(active, caps, step_time)
         self._steps += 1
         self._asked = np.minimum(self._lengths, caps)
-        if self.calibrate and step_time is not None:
-            self._predicted_step_s = float(step_time(self._asked[active]))
+        first_draft = np.any((self._asked > 0) & ~self._has_drafted)
+        self._has_drafted |= self._asked > 0
+        self._step = (step_time, active) if step_time is not None and not first_draft else None
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
                     num_draft_tokens=self._asked.copy())
 
@@ -272,23 +337,30 @@ class GoodputPolicy(Policy):
             alpha = self.estimator.rate(self.drafter_index)[active]
             rates = np.repeat(alpha[:, None], self.max_draft_tokens, axis=1)
         gains = marginal_gains(rates) * self.estimator.coverage(self.drafter_index)[active][:, None]  # [A, K]
+        if self.calibration is not None:
+            step_time = self.calibration.apply(step_time, len(active))
         chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
-            gains, caps[active], step_time, self.search, self.min_gain,
-            speculative_scale=self.time_scale["speculative"], plain_scale=self.time_scale["plain"])
+            gains, caps[active], step_time, self.search, self.min_gain)
         lengths[active] = chosen
         return lengths
 
     def observe(self, record: StepRecord) -> None:
         measured = getattr(record, "step_time_s", None)
-        if self.calibrate and measured and self._predicted_step_s:
-            kind = "speculative" if self._asked.any() else "plain"
-            ratio = measured / self._predicted_step_s
-            self.time_scale[kind] = 0.85 * self.time_scale[kind] + 0.15 * ratio
+        if self.calibration is not None and measured and self._step is not None:
+            step_time, active = self._step
+            self.calibration.observe(step_time, self._asked[active], measured)
+        if self.estimator is None:
+            return
         # a step in which no row was asked to draft teaches the estimator nothing (no trial, no
         # coverage change): skip the update, so plain decoding chosen by the policy stays cheap
-        if self.estimator is not None and self._asked.any():
+        if self._asked.any():
             self.estimator.update(record, asked=self._asked)
+        if self.revisit > 0:
+            idle = np.flatnonzero(self._asked == 0)
+            if len(idle):
+                self.estimator.relax(idle, self.drafter_index, self.revisit)
 
     def __repr__(self) -> str:
         return (f"GoodputPolicy(max_draft_tokens={self.max_draft_tokens}, search={self.search!r}, "
-                f"drafter_index={self.drafter_index}, min_gain={self.min_gain})")
+                f"drafter_index={self.drafter_index}, min_gain={self.min_gain}, calibrate={self.calibration is not None}, "
+                f"revisit={self.revisit})")

@@ -20,7 +20,7 @@ from specdec.policies import CostModel
 def quick_run(tiny_zoo_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("policies")
     argv = ["bench", "--policies", "--preset", "tiny", "--device", "cpu", "--quick", "--max-new-tokens", "12",
-            "--zoo-dir", str(tiny_zoo_root / "tiny"), "--out", str(out)]
+            "--repeats", "2", "--zoo-dir", str(tiny_zoo_root / "tiny"), "--out", str(out)]
     assert main(argv) == 0
     [path] = [p for p in out.glob("policies_tiny_cpu_*.json") if p.name.count(".") == 1]
     return path
@@ -42,6 +42,9 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level"}
     assert {r["variant"] for r in rows if r["family"] == "goodput"} == {"per-row", "uniform"}
     assert sum(1 for r in rows if r["family"] == "fixed") == 4 * 3 * 2
+    # two timed passes per run, tokens/s from their median; both passes' outputs checked
+    assert all(len(r["pass_seconds"]) == 2 and r["passes_agree"] for r in rows)
+    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / (sum(r["pass_seconds"]) / 2)) for r in rows)
     # the mixed workload really mixes, and the bandits report what each kind of request used
     assert result["workloads"]["mixed"]["num_copy"] == result["workloads"]["mixed"]["num_continuation"] == 4
     bandit = next(r for r in rows if r["family"] == "bandit" and r["workload"] == "mixed")
@@ -72,6 +75,30 @@ def test_a_time_limit_skips_the_remaining_runs_and_still_reports(tiny_zoo_root, 
     result = json.loads(path.read_text())
     assert result["rows"] == [] and len(result["skipped"]) == 1 + 2 + 6
     assert "Skipped after the time limit: 9 runs" in path.with_suffix(".md").read_text()
+
+
+def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_path):
+    """Split the quick run by batch size, as two GPU calls would write it; merging gives back its
+    rows and targets; parts that overlap or differ in settings are refused."""
+    whole = json.loads(quick_run.read_text())
+    parts = []
+    for batch in (8, 1):
+        part = {**whole, "settings": {**whole["settings"], "batch_sizes": [batch]},
+                "rows": [r for r in whole["rows"] if r["batch"] == batch]}
+        parts.append(tmp_path / f"part{batch}.json")
+        parts[-1].write_text(json.dumps(part))
+    assert main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path), "--name", "merged"]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert sorted(map(json.dumps, merged["rows"])) == sorted(map(json.dumps, whole["rows"]))
+    assert merged["targets"] == policy_targets(whole) and merged["settings"]["batch_sizes"] == [1, 8]
+    assert len(merged["parts"]) == 2 and "part 2 of 2: batch sizes [1]" in (tmp_path / "merged.md").read_text()
+    with pytest.raises(SystemExit, match="both measured batch 8"):
+        main(["bench", "--policies", "--merge", str(parts[0]), str(parts[0]), "--out", str(tmp_path)])
+    other = {**json.loads(parts[1].read_text())}
+    other["settings"] = {**other["settings"], "max_new_tokens": 99}
+    parts[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match=r"settings differ in \['max_new_tokens'\]"):
+        main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path)])
 
 
 def test_the_notebook_draws_a_results_file(quick_run, tmp_path, monkeypatch):

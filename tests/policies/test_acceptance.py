@@ -105,6 +105,34 @@ def test_window_counts_the_last_steps_only():
     assert np.allclose(est.position_rates(0)[0], [1.0, 2 / 3, 1.0])
 
 
+def test_relax_moves_ema_estimates_back_to_the_prior_for_the_given_rows_only():
+    est = AcceptanceEstimator(num_rows=2, num_drafters=2, max_draft_tokens=2, prior=[0.8, 0.5])
+    for _ in range(10):
+        est.update(record(drafted=[2, 2], accepted=[0, 0]))
+    low = est.rate(0).copy()
+    assert np.all(low < 0.2)
+    est.relax(np.array([0]), drafter_index=0, weight=0.5)
+    assert est.rate(0)[0] == pytest.approx(low[0] + 0.5 * (0.8 - low[0]))
+    assert est.rate(0)[1] == low[1]  # row 1 not relaxed
+    assert est.rate(1)[0] == 0.5  # drafter 1 untouched (still its prior)
+    for _ in range(200):
+        est.relax(np.array([0]), drafter_index=0, weight=0.5)
+    assert est.rate(0)[0] == pytest.approx(0.8) and np.allclose(est.position_rates(0)[0], 0.8)
+
+
+def test_relax_forgets_the_oldest_window_entries():
+    est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=2, mode="window", window=4, prior=0.5)
+    for accepted in (0, 0, 2, 2):
+        est.update(record(drafted=[2], accepted=[accepted]))
+    assert est.rate(0)[0] == pytest.approx(4 / 6)  # 0/1, 0/1, 2/2, 2/2
+    est.relax(np.array([0]), 0, weight=0.5)  # forgets the two oldest entries: the rejections
+    assert est.rate(0)[0] == 1.0
+    est.relax(np.array([0]), 0, weight=0.5)
+    assert est.rate(0)[0] == 0.5  # empty window: the prior
+    est.update(record(drafted=[2], accepted=[1]))  # writing resumes after the forgotten entries
+    assert est.rate(0)[0] == pytest.approx(1 / 2)
+
+
 def test_coverage_discounts_expected_tokens():
     est = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=3, prior=1.0)
     asked = np.array([3, 3])

@@ -134,8 +134,10 @@ def test_goodput_is_exact_and_stops_drafting_when_it_does_not_pay(search):
     """A drafter that rarely agrees with the target, an optimistic prior (0.9): rows draft at
     first, their acceptance estimates fall, and they switch to plain decoding mid-generation."""
     prompts, eos = prompts_and_eos(5, seed=4)
-    # synthetic seconds: no calibration against this machine's wall time
-    policy = GoodputPolicy(speculation_cost_model(), max_draft_tokens=4, search=search, prior=0.9, calibrate=False)
+    # synthetic seconds: no calibration against this machine's wall time; no revisits, so a row
+    # switched off stays off (revisiting is tested in test_profile_options.py)
+    policy = GoodputPolicy(speculation_cost_model(), max_draft_tokens=4, search=search, prior=0.9, calibrate=False,
+                           revisit=0.0)
     _, recording = run(policy, [ModelDrafter(poor_drafter_model())], prompts, eos)
     switched_off = []
     for row in range(len(prompts)):

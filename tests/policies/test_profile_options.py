@@ -103,26 +103,93 @@ def _record(asked, emitted, seconds):
                       step_time_s=seconds)
 
 
+def _run_calibrated(policy, batch, steps, measured_time):
+    """Plan and observe ``steps`` steps, each accepting min(k, 3) tokens per row and measured at
+    measured_time(asked) seconds -> the lengths of every plan."""
+    plans = []
+    for _ in range(steps):
+        asked = policy.plan(batch, 1).num_draft_tokens
+        plans.append(asked.copy())
+        policy.observe(_record(asked, np.minimum(asked, 3) + 1, measured_time(asked)))
+    return plans
+
+
 def test_goodput_calibration_switches_speculation_off_once_it_measures_what_it_costs():
     """The cost model promises cheap drafting (a k = 4 step predicted at 1.2 s against 1 s plain,
-    for about 3.4 tokens per row); the measured speculative steps take 4x the prediction. After a
-    few measured steps the calibrated policy decodes plainly; an uncalibrated one keeps drafting;
-    and when the measurements match the model, the calibrated one keeps drafting too."""
+    for about 3.4 tokens per row); the measured drafting cost is 40x the prediction (k = 4: 3 s).
+    After a few measured steps the calibrated policy decodes plainly; an uncalibrated one keeps
+    drafting; and when the measurements match the model, the calibrated one keeps drafting."""
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
     batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
 
+    def measured(slowdown):
+        return lambda asked: 1.0 + (0.05 * asked.max() * slowdown if asked.any() else 0.0)
+
     def drafting_after(calibrate, slowdown, steps=12):
         policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, calibrate=calibrate)
-        for _ in range(steps):
-            plan = policy.plan(batch, 1)
-            asked = plan.num_draft_tokens
-            predicted = 1.0 + (0.05 * asked.max() if asked.any() else 0.0)
-            measured = predicted * (slowdown if asked.any() else 1.0)
-            policy.observe(_record(asked, np.minimum(asked, 3) + 1, measured))
-        return policy.plan(batch, 1).num_draft_tokens.max(), policy.time_scale
+        _run_calibrated(policy, batch, steps, measured(slowdown))
+        return policy.plan(batch, 1).num_draft_tokens.max(), policy
 
-    k, scale = drafting_after(calibrate=True, slowdown=4.0)
-    assert k == 0 and scale["speculative"] > 2.0
-    assert drafting_after(calibrate=False, slowdown=4.0)[0] == 4
-    k, scale = drafting_after(calibrate=True, slowdown=1.0)
-    assert k == 4 and scale["speculative"] == pytest.approx(1.0)
+    k, policy = drafting_after(calibrate=True, slowdown=40.0)
+    assert k == 0 and policy.calibration.extra_scale[4] > 10
+    assert drafting_after(calibrate=False, slowdown=40.0)[0] == 4
+    k, policy = drafting_after(calibrate=True, slowdown=1.0)
+    assert k == 4 and policy.calibration.extra_scale[4] == pytest.approx(1.0)
+    assert policy.calibration.base_scale == {}  # no plain step was measured
+
+
+def test_goodput_calibration_shortens_drafts_when_drafting_costs_more_than_modelled():
+    """Calibrating what drafting adds (not the whole step) moves the argmax: with each draft
+    pass measured at 10x its predicted cost, the policy drafts fewer tokens but still drafts."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.01}])
+    batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
+    policy = GoodputPolicy(model, max_draft_tokens=8, prior=0.8)
+    plans = _run_calibrated(policy, batch, 12, lambda asked: 1.0 + 0.1 * asked.max())
+    assert plans[0].max() == 8  # the model as profiled: drafting is nearly free
+    assert 1 <= plans[-1].max() < 8
+    assert policy.calibration.extra_scale[4] == pytest.approx(10.0)
+
+
+def test_goodput_calibration_is_kept_per_bucket_of_active_rows():
+    """Drafting measured 40x too slow at 64 active rows switches a batch of 64 to plain decoding,
+    and a batch of 2 rows, never measured, still drafts (its bucket starts at the model)."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
+    wide = BatchState([np.arange(10)] * 64, 200, np.arange(64), np.zeros(0, dtype=np.int64))
+    plans = _run_calibrated(policy, wide, 6, lambda asked: 1.0 + (2.0 * asked.max() if asked.any() else 0.0))
+    assert plans[-1].max() == 0 and set(policy.calibration.extra_scale) == {64}
+    narrow = BatchState([np.arange(10)] * 2, 200, np.arange(2), np.zeros(0, dtype=np.int64))
+    assert policy.plan(narrow, 1).num_draft_tokens.max() == 4
+
+
+def test_goodput_calibration_ignores_the_first_drafting_step():
+    """A model drafter's first step also reads the whole prompt; that one slow step must not
+    switch speculation off."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
+    times = iter([50.0] + [1.2] * 10)
+    plans = _run_calibrated(policy, batch, 6, lambda asked: next(times))
+    assert all(p.max() == 4 for p in plans) and policy.calibration.extra_scale[4] == pytest.approx(1.0)
+
+
+def test_goodput_revisits_a_row_switched_off_by_rejections():
+    """Rejections switch a row's drafting off; with revisit its estimate drifts back to the prior
+    and it drafts again; with revisit=0 it never does (no new evidence reaches it)."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.2}])  # k = 1 pays above alpha ~0.32
+
+    def drafting(revisit):
+        batch = BatchState([np.arange(10)], 500, np.arange(1), np.zeros(0, dtype=np.int64))
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, calibrate=False, revisit=revisit)
+        lengths = []
+        for step in range(120):
+            asked = policy.plan(batch, 1).num_draft_tokens
+            lengths.append(int(asked[0]))
+            accepted = np.zeros(1, dtype=np.int64) if step < 10 else np.minimum(asked, 3)
+            policy.observe(_record(asked, accepted + 1, 1.0))
+        return lengths
+
+    with_revisit, without = drafting(0.05), drafting(0.0)
+    assert 0 in with_revisit[:30] and 0 in without[:30]  # switched off by the rejections
+    assert without[30:] == [0] * 90
+    assert max(with_revisit[30:]) == 4
