@@ -4,7 +4,11 @@
 #   tests     python -m pytest -m cuda (about 2 min)
 #   bench     python -m specdec bench (zoo against Hugging Face + bandwidth floor, about 7 min)
 #   quick     python -m specdec bench --quick (about 4 min)
-#   policies  python -m specdec bench --policies, 32 prompts per workload, cut at 330 s
+#   policies  python -m specdec bench --policies, 32 prompts per workload, median of 3 passes;
+#             $POLICY_ARGS (default --time-limit-s 330) picks batch sizes, time limit and --name;
+#             runs at different batch sizes merge with `bench --policies --merge A.json B.json`
+#   zoo       only the gpu zoo build (and a short compile of its models), for later calls on the
+#             same machine (it stays warm for about 30 s after a call)
 #   demo      python -m specdec demo --preset gpu --device cuda
 # A call may run at most 10 minutes: the zoo build takes about 3, so pick one long part per call.
 # Set SPECDEC_COMMIT to the commit being measured (the tree travels without .git).
@@ -16,16 +20,18 @@ quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config" ; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/versions.txt"
 if [[ " $PARTS " =~ " tests " ]]; then
-  timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
+  timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 > "$OUT/cuda_tests.log"; tail -25 "$OUT/cuda_tests.log"
 fi
-if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " ]]; then
+if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " || " $PARTS " =~ " zoo " ]]; then
   timeout "${BUILD_TIMEOUT:-300}" python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$OUT/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$OUT/zoo_gpu_manifest.json" 2>/dev/null
 fi
 [[ " $PARTS " =~ " bench " ]] && python3 -m specdec bench --out "$OUT" 2>&1 | quiet | tee "$OUT/bench.log" | tail -40
 [[ " $PARTS " =~ " quick " ]] && python3 -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30
+[[ " $PARTS " =~ " zoo " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --quick \
+  --workloads mixed --time-limit-s 30 --out /tmp/warm 2>&1 | quiet | tail -3
 [[ " $PARTS " =~ " policies " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --num-prompts 32 \
-  --time-limit-s 330 --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
+  ${POLICY_ARGS:---time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
 [[ " $PARTS " =~ " demo " ]] && python3 -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0

@@ -74,7 +74,7 @@ def generate(
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     drafters = inputs.normalise_drafters(drafter)
-    inputs.check_drafters(drafters, vocab_size, device, token_prompts, max_new_tokens)
+    inputs.check_drafters(drafters, vocab_size, token_prompts, max_new_tokens)
     verifier = PaddingFreeVerifier() if verifier is None else verifier
     policy = (FixedPolicy(4) if drafters else FixedPolicy(0)) if policy is None else policy
     inputs.check_component(verifier, Verifier, "verifier")
@@ -179,5 +179,6 @@ def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: tor
     drafts = []
     for i, d in enumerate(drafters):
         with timer.phase(f"drafter {i}"):  # nested in "draft": each drafter's share, for policies
-            drafts.append(d.propose(batch, np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)))
+            # a drafter on another device (a second GPU, or the CPU) hands its proposals over here
+            drafts.append(d.propose(batch, np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)).to(device))
     return merge_drafts(drafts, plan.drafter_index, vocab_size)

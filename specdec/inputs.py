@@ -127,10 +127,16 @@ def normalise_drafters(drafter) -> list[Drafter]:
     return drafters
 
 
-def check_drafters(drafters: list[Drafter], target_vocab_size: int, target_device: torch.device,
-                   prompts: list[np.ndarray], max_new_tokens: int) -> None:
+def check_drafters(drafters: list[Drafter], target_vocab_size: int, prompts: list[np.ndarray],
+                   max_new_tokens: int) -> None:
+    """Drafters may sit on any device (their proposals are moved to the target's), but must have
+    weights, share the target's vocabulary and handle the positions the call needs."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     for index, drafter in enumerate(drafters):
+        drafter_device = drafter.device()
+        if drafter_device is not None and torch.device(drafter_device).type == "meta":
+            raise ValueError(f"drafter {index} ({drafter.describe()}) is on the meta device (no weights): load or "
+                             "move its weights to a real device first")
         limit = drafter.max_positions()
         if limit is not None and longest > limit:
             raise ValueError(
@@ -142,12 +148,6 @@ def check_drafters(drafters: list[Drafter], target_vocab_size: int, target_devic
             raise ValueError(
                 f"drafter {index} ({drafter.describe()}) has a vocabulary of {drafter.vocab_size} tokens but the "
                 f"target has {target_vocab_size}; a drafter must share the target's vocabulary"
-            )
-        drafter_device = drafter.device()
-        if drafter_device is not None and drafter_device != target_device:
-            raise ValueError(
-                f"drafter {index} ({drafter.describe()}) is on {drafter_device} but the target is on "
-                f"{target_device}; move it with model.to('{target_device}')"
             )
 
 

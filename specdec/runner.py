@@ -222,11 +222,11 @@ class ModelRunner:
         compiling those passes with torch.compile when ``compile``."""
         from .graphs import GraphedForward
 
-        if self.device.type != "cuda" or self.attention != "fast":
-            raise ValueError("CUDA graphs need a CUDA model and attention='fast'")
         if is_split(self.model):
             raise ValueError("CUDA graphs need the whole model on one device; this one is split over several "
                              "(device_map): pass cuda_graphs=False")
+        if self.device.type != "cuda" or self.attention != "fast":
+            raise ValueError("CUDA graphs need a CUDA model and attention='fast'")
         self.graphs = GraphedForward(self, max_group_tokens, max_tokens, compile=compile)
         with self.attached():
             self.graphs.capture()

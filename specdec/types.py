@@ -86,6 +86,17 @@ class Draft:
     def max_tokens(self) -> int:
         return self.token_ids.shape[1]
 
+    def to(self, device: torch.device) -> "Draft":
+        """The same draft on ``device`` (itself when it is there already): a drafter may sit on
+        another device than the target."""
+        device = torch.device(device)
+        if self.token_ids.device == device:
+            return self
+        # asynchronous only towards a GPU: a copy to the host must be complete when it is read
+        non_blocking = device.type == "cuda"
+        return Draft(token_ids=self.token_ids.to(device, non_blocking=non_blocking), num_tokens=self.num_tokens,
+                     probs=None if self.probs is None else self.probs.to(device, non_blocking=non_blocking))
+
 
 @dataclass
 class Verdict:

@@ -46,17 +46,10 @@ def test_drafter_with_another_vocabulary_size(target):
         generate(target, [[1, 2]], drafter=ModelDrafter(other))
 
 
-def test_drafter_and_target_on_different_devices(target):
+def test_drafter_without_weights(target):
     drafter = ModelDrafter(make_model("llama"))
-    drafter.device = lambda: torch.device("meta")  # stands in for a second GPU on this CPU machine
-    with pytest.raises(ValueError, match="drafter 0 .* is on meta but the target is on cpu; move it"):
-        generate(target, [[1, 2]], drafter=drafter)
-
-
-@pytest.mark.cuda
-def test_drafter_on_cuda_target_on_cpu(target):
-    drafter = ModelDrafter(make_model("llama", device="cuda"))
-    with pytest.raises(ValueError, match="is on cuda:0 but the target is on cpu"):
+    drafter.device = lambda: torch.device("meta")
+    with pytest.raises(ValueError, match="drafter 0 .* is on the meta device .no weights."):
         generate(target, [[1, 2]], drafter=drafter)
 
 

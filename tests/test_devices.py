@@ -1,0 +1,72 @@
+"""Targets and drafters on more than one device (issue 6): a drafter on another device than the
+target, and a target whose layers are split over devices with accelerate's ``device_map``
+(each layer's KV cache on that layer's device). The runs need a GPU besides the CPU, so they are
+``cuda`` tests; float64 everywhere, so the split and unsplit runs must agree token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import generate
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.policies import FixedPolicy
+from specdec.runner import is_split, runners_of
+from specdec.types import Draft
+from tests.tiny import make_model, perturbed_copy, random_prompts
+
+
+def test_a_draft_on_the_target_device_is_not_copied():
+    draft = Draft(token_ids=torch.zeros(2, 3, dtype=torch.int64), num_tokens=torch.zeros(2).numpy())
+    assert draft.to(torch.device("cpu")) is draft
+
+
+def _plain(target, prompts, max_new_tokens):
+    return generate(target, prompts, policy=FixedPolicy(0), max_new_tokens=max_new_tokens).sequences
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("target_device,drafter_device", [("cuda", "cpu"), ("cpu", "cuda")])
+def test_a_drafter_on_another_device_than_the_target(target_device, drafter_device):
+    target = make_model("llama", num_layers=3)
+    drafter_model = perturbed_copy(target, 0.02).to(drafter_device)
+    target = target.to(target_device)
+    prompts = random_prompts(5, 96, seed=1, min_len=3)
+    expected = _plain(target, prompts, 24)
+    out = generate(target, prompts, drafter=[ModelDrafter(drafter_model), PromptLookupDrafter()],
+                   policy=FixedPolicy(3), max_new_tokens=24)
+    assert out.sequences == expected
+    assert out.stats.tau > 1.0  # the drafter's proposals were used, not just moved
+
+
+def _split_over_cuda_and_cpu(model):
+    """The embedding, the first half of the layers and the head on cuda:0; the rest on the CPU."""
+    dispatch_model = pytest.importorskip("accelerate", reason="device_map needs accelerate").dispatch_model
+    layers = model.config.num_hidden_layers
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": "cpu", "lm_head": 0}
+    device_map.update({f"model.layers.{i}": 0 if i < layers // 2 else "cpu" for i in range(layers)})
+    return dispatch_model(model, device_map=device_map)
+
+
+@pytest.mark.cuda
+def test_a_layer_sharded_target_decodes_as_the_whole_model():
+    whole = make_model("llama", num_layers=4)
+    prompts = random_prompts(4, 96, seed=2, min_len=3)
+    expected = _plain(whole, prompts, 20)
+    split = _split_over_cuda_and_cpu(make_model("llama", num_layers=4))  # the same weights (same seed)
+    assert is_split(split)
+    assert _plain(split, prompts, 20) == expected
+    drafter = ModelDrafter(perturbed_copy(whole, 0.02).to("cuda"))
+    out = generate(split, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20)
+    assert out.sequences == expected and out.stats.tau > 1.0
+    keys = runners_of(split)["target"].cache.keys
+    assert [k.device.type for k in keys] == ["cuda", "cuda", "cpu", "cpu"]  # each layer's cache on its device
+
+
+@pytest.mark.cuda
+def test_fast_attention_and_graphs_refuse_a_split_target():
+    split = _split_over_cuda_and_cpu(make_model("llama", num_layers=2, dtype=torch.float32))
+    with pytest.raises(ValueError, match="split over several devices"):
+        generate(split, [[1, 2, 3]], max_new_tokens=2, attention="fast")
+    with pytest.raises(ValueError, match="CUDA graphs need the whole model on one device"):
+        generate(split, [[1, 2, 3]], max_new_tokens=2, attention="reference", cuda_graphs=True)
