@@ -11,7 +11,7 @@ import torch
 from specdec import generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
-from specdec.runner import is_split, runners_of
+from specdec.runner import runners_of
 from specdec.types import Draft
 from tests.tiny import make_model, perturbed_copy, random_prompts
 
@@ -39,28 +39,32 @@ def test_a_drafter_on_another_device_than_the_target(target_device, drafter_devi
     assert out.stats.tau > 1.0  # the drafter's proposals were used, not just moved
 
 
-def _split_over_cuda_and_cpu(model):
-    """The embedding, the first half of the layers and the head on cuda:0; the rest on the CPU."""
+def _split_over_cuda_and_cpu(model, offload: bool = False):
+    """The embedding, the first half of the layers and the head on cuda:0; the rest on the CPU.
+    offload=False: those layers run on the CPU (accelerate's main device set to the CPU, the
+    one-GPU stand-in for a split over two GPUs); offload=True: accelerate's CPU offload (the
+    default for "cpu" in a device_map), whose layers keep weights on the CPU and run on the GPU."""
     dispatch_model = pytest.importorskip("accelerate", reason="device_map needs accelerate").dispatch_model
     layers = model.config.num_hidden_layers
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": "cpu", "lm_head": 0}
     device_map.update({f"model.layers.{i}": 0 if i < layers // 2 else "cpu" for i in range(layers)})
-    return dispatch_model(model, device_map=device_map)
+    return dispatch_model(model, device_map=device_map, **({} if offload else {"main_device": "cpu"}))
 
 
 @pytest.mark.cuda
-def test_a_layer_sharded_target_decodes_as_the_whole_model():
+@pytest.mark.parametrize("offload,cache_devices", [(False, ["cuda", "cuda", "cpu", "cpu"]), (True, ["cuda"] * 4)],
+                         ids=["split", "cpu-offload"])
+def test_a_layer_sharded_target_decodes_as_the_whole_model(offload, cache_devices):
     whole = make_model("llama", num_layers=4)
     prompts = random_prompts(4, 96, seed=2, min_len=3)
     expected = _plain(whole, prompts, 20)
-    split = _split_over_cuda_and_cpu(make_model("llama", num_layers=4))  # the same weights (same seed)
-    assert is_split(split)
+    split = _split_over_cuda_and_cpu(make_model("llama", num_layers=4), offload)  # the same weights (same seed)
     assert _plain(split, prompts, 20) == expected
     drafter = ModelDrafter(perturbed_copy(whole, 0.02).to("cuda"))
     out = generate(split, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20)
     assert out.sequences == expected and out.stats.tau > 1.0
     keys = runners_of(split)["target"].cache.keys
-    assert [k.device.type for k in keys] == ["cuda", "cuda", "cpu", "cpu"]  # each layer's cache on its device
+    assert [k.device.type for k in keys] == cache_devices  # each layer's cache where that layer computes
 
 
 @pytest.mark.cuda

@@ -109,10 +109,12 @@ class Method:
 
 class Tally(Policy):
     """Passes everything to ``inner`` and counts, by request kind, row-steps, drafted tokens and
-    which drafter proposed (a few bincounts per step)."""
+    which drafter proposed (a few bincounts per step), and the host time the inner policy takes
+    (``policy_s``: its plan and observe calls)."""
 
     def __init__(self, inner: Policy, kinds: np.ndarray, num_drafters: int):
         self.inner, self.kinds, self.num_drafters = inner, kinds, max(num_drafters, 1)
+        self.policy_s, self.steps = 0.0, 0
         self.row_steps = np.zeros(len(KINDS))
         self.drafted_tokens = np.zeros(len(KINDS))
         self.drafting = np.zeros((len(KINDS), self.num_drafters))  # row-steps that drafted > 0, by drafter
@@ -122,7 +124,11 @@ class Tally(Policy):
         return self.inner.max_draft_tokens
 
     def plan(self, batch, num_drafters):
-        return self.inner.plan(batch, num_drafters)
+        started = time.perf_counter()
+        plan = self.inner.plan(batch, num_drafters)
+        self.policy_s += time.perf_counter() - started
+        self.steps += 1
+        return plan
 
     def observe(self, record) -> None:
         rows = record.rows
@@ -134,7 +140,9 @@ class Tally(Policy):
         if on.any():
             cell = kinds[on] * self.num_drafters + record.drafter_index[rows][on]
             self.drafting += np.bincount(cell, minlength=len(KINDS) * self.num_drafters).reshape(len(KINDS), -1)
+        started = time.perf_counter()
         self.inner.observe(record)
+        self.policy_s += time.perf_counter() - started
 
 
 def _log(*args) -> None:
@@ -387,11 +395,12 @@ def measure(target, drafters: dict, method: Method, workload: str, prompts: list
                    for chunk, tally in zip(chunks, tallies)]
         _synchronise(settings.device)
         timings.append(time.perf_counter() - started)
-        passes.append((outputs, tallies))
+        passes.append((outputs, tallies, policy))
     seconds = float(np.median(timings))
     # the statistics of the pass whose time is the median (adaptive policies may choose differently)
-    outputs, tallies = passes[int(np.argsort(timings)[len(timings) // 2])]
-    every_pass = [[s for out in outs for s in out.sequences] for outs, _ in passes]
+    outputs, tallies, policy = passes[int(np.argsort(timings)[len(timings) // 2])]
+    every_pass = [[s for out in outs for s in out.sequences] for outs, _, _ in passes]
+    calibration = getattr(policy, "calibration", None)  # GoodputPolicy's measured corrections, by active rows
     sequences = [s for out in outputs for s in out.sequences]
     tokens = sum(map(len, sequences))
     row_steps = sum(r.steps for out in outputs for r in out.stats.requests)
@@ -411,6 +420,10 @@ def measure(target, drafters: dict, method: Method, workload: str, prompts: list
                                       if by_kind_steps[k] > 0},
         "drafter_use": use,  # per kind: fraction of row-steps in which each drafter proposed
         "pass_seconds": timings,
+        "policy_ms_per_step": 1e3 * sum(t.policy_s for t in tallies) / max(sum(t.steps for t in tallies), 1),
+        **({"calibration": {"base_scale": {str(b): v for b, v in sorted(calibration.base_scale.items())},
+                            "extra_scale": {str(b): v for b, v in sorted(calibration.extra_scale.items())}}}
+           if calibration is not None else {}),
         "sequences": sequences,
         "passes_agree": all(p == sequences for p in every_pass),
     }

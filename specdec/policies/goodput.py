@@ -224,8 +224,12 @@ class StepTimeCalibration:
     speculative step against predicted base P0 and extra E = T(k) - P0 gives
     extra_scale = (m - base_scale * P0) / E (clipped to [0.05, 50]). The first measurement of a
     bucket is taken as it is and later ones enter an EMA (0.85 old / 0.15 new); a bucket never
-    measured starts at 1 (the model as profiled), so each new bucket is tried once. Steps whose
-    time includes one-off work (a model drafter's catch-up on a whole prompt) are not fed in.
+    measured starts at 1 (the model as profiled), so each new bucket is tried once; a bucket's
+    drafting correction is forgotten after ``reprobe_after`` steps in a row that did not draft
+    (GoodputPolicy), so speculation is measured again now and then (at most one step in that many
+    when it does not pay) rather than ruled out for good by one slow step.
+    Steps whose time includes one-off work (a model drafter's catch-up on a whole prompt) are not
+    fed in.
 
     Invariant: scales are positive; with no measurements the calibrated model is the model."""
 
@@ -235,6 +239,7 @@ class StepTimeCalibration:
     def __init__(self):
         self.base_scale: dict[int, float] = {}
         self.extra_scale: dict[int, float] = {}
+        self._idle: dict[int, int] = {}  # steps without drafting since the bucket's last drafting step
 
     def apply(self, step_time: LinearStepTime, num_rows: int) -> LinearStepTime:
         bucket = row_bucket(num_rows)
@@ -244,6 +249,18 @@ class StepTimeCalibration:
         old = table.get(bucket)
         table[bucket] = sample if old is None else self.OLD_WEIGHT * old + (1.0 - self.OLD_WEIGHT) * sample
 
+    def idle(self, num_rows: int, forget_after: int) -> None:
+        """Count a step that did not draft; after ``forget_after`` of them in a row, forget this
+        bucket's drafting correction, so the next decision uses the model again and, if it
+        drafts, measures afresh: one slow measurement cannot rule speculation out for good."""
+        bucket = row_bucket(num_rows)
+        if bucket not in self.extra_scale:
+            return
+        self._idle[bucket] = self._idle.get(bucket, 0) + 1
+        if self._idle[bucket] >= forget_after:
+            del self.extra_scale[bucket]
+            self._idle[bucket] = 0
+
     def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: float) -> None:
         """step_time: the uncalibrated model over the step's A active rows; k: [A] their lengths."""
         bucket = row_bucket(len(k))
@@ -252,6 +269,7 @@ class StepTimeCalibration:
         if not np.any(k):
             self._blend(self.base_scale, bucket, measured_s / step_time.base)
             return
+        self._idle[bucket] = 0
         extra = float(step_time.extra(k))
         if extra <= 0:
             return
@@ -262,7 +280,8 @@ class StepTimeCalibration:
 class GoodputPolicy(Policy):
     def __init__(self, cost_model: CostModel, max_draft_tokens: int = 8, search: str = "exact", drafter_index: int = 0,
                  min_gain: float = 0.10, decide_every: int = 1, prior: float = 0.5, estimator: str = "ema",
-                 window: int = 100, per_position: bool = False, calibrate: bool = True, revisit: float = 0.05):
+                 window: int = 100, per_position: bool = False, calibrate: bool = True, revisit: float = 0.05,
+                 reprobe_after: int = 64):
         """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);
         search: "exact", "greedy" (per-row lengths) or "uniform" (one length for the batch);
         min_gain: how much speculation must beat plain decoding by; decide_every: steps between
@@ -275,7 +294,9 @@ class GoodputPolicy(Policy):
         speculation costs at this batch size stops speculating once it has measured it;
         revisit: each step a row does not draft, its acceptance estimate moves this fraction of
         the way back to the prior, so a row switched off by a run of rejections is tried again
-        (after about 1 / revisit steps) when the prior says drafting pays; 0 never revisits."""
+        (after about 1 / revisit steps) when the prior says drafting pays; 0 never revisits;
+        reprobe_after: after this many steps in a row without drafting at a batch size, forget
+        the measured drafting cost there and let the model decide (and measure) again; 0 never."""
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 1:
@@ -288,10 +309,12 @@ class GoodputPolicy(Policy):
             raise ValueError(f"need min_gain >= 0 and decide_every >= 1, got {min_gain!r} and {decide_every!r}")
         if not 0.0 <= revisit <= 1.0:
             raise ValueError(f"revisit must lie in [0, 1], got {revisit!r}")
+        if isinstance(reprobe_after, bool) or not isinstance(reprobe_after, (int, np.integer)) or reprobe_after < 0:
+            raise ValueError(f"reprobe_after must be an integer >= 0, got {reprobe_after!r}")
         self.cost_model, self.search, self.drafter_index = cost_model, search, int(drafter_index)
         self._max_draft_tokens = int(max_draft_tokens)
         self.min_gain, self.decide_every, self.per_position = float(min_gain), int(decide_every), per_position
-        self.revisit = float(revisit)
+        self.revisit, self.reprobe_after = float(revisit), int(reprobe_after)
         self._estimator_options = {"prior": prior, "mode": estimator, "window": window}
         self.estimator: AcceptanceEstimator | None = None
         self._batch = None
@@ -349,6 +372,8 @@ class GoodputPolicy(Policy):
         if self.calibration is not None and measured and self._step is not None:
             step_time, active = self._step
             self.calibration.observe(step_time, self._asked[active], measured)
+            if self.reprobe_after and not self._asked.any():
+                self.calibration.idle(len(active), self.reprobe_after)
         if self.estimator is None:
             return
         # a step in which no row was asked to draft teaches the estimator nothing (no trial, no

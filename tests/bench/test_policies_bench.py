@@ -43,7 +43,9 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert {r["variant"] for r in rows if r["family"] == "goodput"} == {"per-row", "uniform"}
     assert sum(1 for r in rows if r["family"] == "fixed") == 4 * 3 * 2
     # two timed passes per run, tokens/s from their median; both passes' outputs checked
-    assert all(len(r["pass_seconds"]) == 2 and r["passes_agree"] for r in rows)
+    assert all(len(r["pass_seconds"]) == 2 and r["passes_agree"] and r["policy_ms_per_step"] > 0 for r in rows)
+    goodput = [r for r in rows if r["family"] == "goodput"]
+    assert all(set(r["calibration"]) == {"base_scale", "extra_scale"} for r in goodput)
     assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / (sum(r["pass_seconds"]) / 2)) for r in rows)
     # the mixed workload really mixes, and the bandits report what each kind of request used
     assert result["workloads"]["mixed"]["num_copy"] == result["workloads"]["mixed"]["num_continuation"] == 4

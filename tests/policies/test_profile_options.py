@@ -138,6 +138,25 @@ def test_goodput_calibration_switches_speculation_off_once_it_measures_what_it_c
     assert policy.calibration.base_scale == {}  # no plain step was measured
 
 
+def test_goodput_calibration_probes_again_now_and_then_but_mostly_decodes_plainly():
+    """With drafting measured 40x dearer than modelled, the policy decodes plainly on most steps
+    but measures speculation again after 64 steps without drafting, so one slow measurement
+    cannot rule it out for good; with reprobe_after=0 it never drafts again after switching off."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    batch = BatchState([np.arange(10)] * 4, 1000, np.arange(4), np.zeros(0, dtype=np.int64))
+
+    def drafting_steps(reprobe_after):
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, reprobe_after=reprobe_after)
+        plans = _run_calibrated(policy, batch, 400, lambda asked: 1.0 + (2.0 * asked.max() if asked.any() else 0.0))
+        return [i for i, p in enumerate(plans) if p.any()]
+
+    probing, never = drafting_steps(64), drafting_steps(0)
+    assert max(never) < 5  # the first steps only
+    late = [i for i in probing if i >= 5]
+    assert 4 <= len(late) <= 400 // 64 + 1  # it comes back, once per 64 plain steps at most
+    assert all(b - a >= 64 for a, b in zip(late, late[1:]))
+
+
 def test_goodput_calibration_shortens_drafts_when_drafting_costs_more_than_modelled():
     """Calibrating what drafting adds (not the whole step) moves the argmax: with each draft
     pass measured at 10x its predicted cost, the policy drafts fewer tokens but still drafts."""
