@@ -321,6 +321,7 @@ class GoodputPolicy(Policy):
         self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s
         self.calibration = StepTimeCalibration() if calibrate else None  # kept across generate() calls
         self._step = None  # (uncalibrated step time, active rows) of the planned step, for calibration
+        self._step_time_cache = None  # (active rows, LinearStepTime)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -333,13 +334,22 @@ class GoodputPolicy(Policy):
             self._batch, self._steps = batch, 0
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
             self._has_drafted = np.zeros(batch.num_rows, dtype=bool)  # a model drafter's first step carries the prompt
+            self._step_time_cache = None
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
         caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
         active = batch.active_rows()
         deciding = self._steps % self.decide_every == 0
-        step_time = None  # the cost model over the active rows, built once per step that needs it
+        # the cost model over the active rows: built at each decision and reused for calibration
+        # between decisions while the active rows stay the same (their lengths grow by a few
+        # tokens, which moves the prediction by a fraction of a percent), to keep host time low
+        step_time = None
         if len(active) and (deciding or self.calibration is not None):
-            step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
+            cached = self._step_time_cache
+            if not deciding and cached is not None and np.array_equal(cached[0], active):
+                step_time = cached[1]
+            else:
+                step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
+                self._step_time_cache = (active, step_time)
         if deciding:
             self._lengths = self._decide(active, caps, step_time)
         self._steps += 1
