@@ -20,7 +20,7 @@ quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config" ; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/versions.txt"
 if [[ " $PARTS " =~ " tests " ]]; then
-  timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 > "$OUT/cuda_tests.log"; tail -25 "$OUT/cuda_tests.log"
+  timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1; tail -25 "$OUT/cuda_tests.log"
 fi
 if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " || " $PARTS " =~ " zoo " ]]; then
   timeout "${BUILD_TIMEOUT:-300}" python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \

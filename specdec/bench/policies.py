@@ -92,7 +92,7 @@ class PolicyBenchSettings:
     profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile
     tau_profile_tokens: int = 32
     warmup_tokens: int = 8  # new tokens of each untimed warm-up call
-    repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median
+    repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
     time_limit_s: float | None = None  # no run starts after this many seconds
     seed: int = 0
 
@@ -396,9 +396,11 @@ def measure(target, drafters: dict, method: Method, workload: str, prompts: list
         _synchronise(settings.device)
         timings.append(time.perf_counter() - started)
         passes.append((outputs, tallies, policy))
-    seconds = float(np.median(timings))
-    # the statistics of the pass whose time is the median (adaptive policies may choose differently)
-    outputs, tallies, policy = passes[int(np.argsort(timings)[len(timings) // 2])]
+    # the median pass (the slower middle one for an even count): its time and its statistics
+    # (adaptive policies may choose differently from pass to pass)
+    chosen = int(np.argsort(timings)[len(timings) // 2])
+    seconds = timings[chosen]
+    outputs, tallies, policy = passes[chosen]
     every_pass = [[s for out in outs for s in out.sequences] for outs, _, _ in passes]
     calibration = getattr(policy, "calibration", None)  # GoodputPolicy's measured corrections, by active rows
     sequences = [s for out in outputs for s in out.sequences]
@@ -739,6 +741,7 @@ def merge(results: list[dict]) -> dict:
             raise ValueError(f"cannot merge results of formats {first.get('format')!r} and {other.get('format')!r}")
         differing = sorted(k for k in set(first["settings"]) | set(other["settings"])
                            if k not in MERGEABLE and first["settings"].get(k) != other["settings"].get(k))
+        differing += [k for k in ("dtype", "zoo", "drafters", "policy_drafter") if first.get(k) != other.get(k)]
         if differing:
             raise ValueError(f"cannot merge runs whose settings differ in {differing}: run them with the same options "
                              "except --batch-sizes and --time-limit-s")
@@ -750,6 +753,7 @@ def merge(results: list[dict]) -> dict:
             seen[batch] = i
     merged = {**first, "settings": dict(first["settings"]), "timings": {}, "rows": [], "skipped": []}
     merged["settings"]["batch_sizes"] = sorted(seen)
+    merged["settings"]["time_limit_s"] = [part["settings"].get("time_limit_s") for part in results]  # one per part
     merged["parts"] = [{"environment": part["environment"], "batch_sizes": part["settings"]["batch_sizes"],
                         "timings": part.get("timings", {}), "cost_model": part.get("cost_model"),
                         "tau_profile": part.get("tau_profile")} for part in results]

@@ -13,6 +13,8 @@ Cost: k forward passes of the small model per step, the first one carrying the c
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -46,7 +48,17 @@ class ModelDrafter(Drafter):
     def describe(self) -> str:
         return f"ModelDrafter({type(self.model).__name__}, {sum(p.numel() for p in self.model.parameters()):,} params)"
 
+    def _current_device(self):
+        """Make the drafter's GPU the current one while it works (kernel launches and graph
+        capture follow the current device, which is the target's when it sits on another GPU)."""
+        device = self.device()
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
+        with self._current_device():
+            self._start(batch, sampling, max_draft_tokens)
+
+    def _start(self, batch: BatchState, sampling: SamplingParams, max_draft_tokens: int) -> None:
         self.sampling = sampling
         # catch-up passes carry one or two tokens per row after the first step; single-token steps one
         graph_shape = (2, 2 * batch.num_rows) if self.cuda_graphs else None
@@ -63,6 +75,10 @@ class ModelDrafter(Drafter):
         self._runner = self._attached = None
 
     def propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
+        with self._current_device():
+            return self._propose(batch, num_tokens)
+
+    def _propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
         runner = self._runner
         device = runner.device
         max_tokens = int(num_tokens.max(initial=0))

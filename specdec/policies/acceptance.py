@@ -108,6 +108,7 @@ class AcceptanceEstimator:
             self._coverage = np.ones(shape)  # [B, D]
         else:
             self._slot = np.zeros(shape, dtype=np.int64)  # [B, D] next ring slot
+            self._filled = np.zeros(shape, dtype=np.int64)  # [B, D] entries held (<= window)
             self._successes = np.zeros(shape + (window, max_draft_tokens))  # [B, D, W, K]
             self._trials = np.zeros(shape + (window, max_draft_tokens))  # [B, D, W, K]
             self._asked = np.zeros(shape + (window,))  # [B, D, W] 1 where the step asked the drafter
@@ -209,14 +210,16 @@ class AcceptanceEstimator:
             self._asked[rows, drafter, slot] = 0.0
             self._proposed[rows, drafter, slot] = 0.0
         self._slot[rows, drafter] = (slot + 1) % self.window
+        self._filled[rows, drafter] = np.minimum(self._filled[rows, drafter] + 1, self.window)
 
     # --- forgetting ----------------------------------------------------------------------
     def relax(self, rows: np.ndarray, drafter_index: int, weight: float) -> None:
         """Move the estimates of ``rows`` for one drafter ``weight`` of the way back to the prior
         (a row that has stopped drafting gets no new evidence; without this, a run of rejections
         would keep it from drafting for good). EMA: a convex step towards the prior (coverage
-        towards 1); window: the oldest max(1, round(weight * window)) entries are forgotten, so
-        an emptied window reads the prior."""
+        towards 1); window: the oldest max(1, round(weight * window)) entries it holds are
+        forgotten (a window not yet full holds fewer than ``window``), so an emptied window reads
+        the prior."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) == 0 or weight <= 0:
             return
@@ -228,9 +231,12 @@ class AcceptanceEstimator:
             self._coverage[rows, d] += weight * (1.0 - self._coverage[rows, d])
             return
         for _ in range(min(max(1, round(weight * self.window)), self.window)):
-            oldest = self._slot[rows, d]  # the next slot to write is the oldest one
-            self._successes[rows, d, oldest] = 0.0
-            self._trials[rows, d, oldest] = 0.0
-            self._asked[rows, d, oldest] = 0.0
-            self._proposed[rows, d, oldest] = 0.0
-            self._slot[rows, d] = (oldest + 1) % self.window
+            held = rows[self._filled[rows, d] > 0]
+            if len(held) == 0:
+                return
+            oldest = (self._slot[held, d] - self._filled[held, d]) % self.window
+            self._successes[held, d, oldest] = 0.0
+            self._trials[held, d, oldest] = 0.0
+            self._asked[held, d, oldest] = 0.0
+            self._proposed[held, d, oldest] = 0.0
+            self._filled[held, d] -= 1

@@ -56,6 +56,7 @@ from .base import Policy
 from .cost_model import CostModel
 
 SEARCHES = ("exact", "greedy", "uniform")
+CATCH_UP_STEPS = 2  # a drafting step after more idle steps than this is not calibrated on (drafter catch-up)
 
 
 @dataclass
@@ -228,8 +229,8 @@ class StepTimeCalibration:
     drafting correction is forgotten after ``reprobe_after`` steps in a row that did not draft
     (GoodputPolicy), so speculation is measured again now and then (at most one step in that many
     when it does not pay) rather than ruled out for good by one slow step.
-    Steps whose time includes one-off work (a model drafter's catch-up on a whole prompt) are not
-    fed in.
+    Steps whose time includes catch-up work (a model drafter reading the tokens it missed while
+    its row did not draft: the whole prompt the first time) are not fed in.
 
     Invariant: scales are positive; with no measurements the calibrated model is the model."""
 
@@ -333,7 +334,9 @@ class GoodputPolicy(Policy):
         if batch is not self._batch:
             self._batch, self._steps = batch, 0
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
-            self._has_drafted = np.zeros(batch.num_rows, dtype=bool)  # a model drafter's first step carries the prompt
+            # the step each row last drafted: a model drafter's step also feeds it every token it
+            # missed since (the whole prompt the first time), so such steps are not calibrated on
+            self._last_drafted = np.full(batch.num_rows, -(1 << 40), dtype=np.int64)
             self._step_time_cache = None
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
         caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
@@ -354,9 +357,10 @@ class GoodputPolicy(Policy):
             self._lengths = self._decide(active, caps, step_time)
         self._steps += 1
         self._asked = np.minimum(self._lengths, caps)
-        first_draft = np.any((self._asked > 0) & ~self._has_drafted)
-        self._has_drafted |= self._asked > 0
-        self._step = (step_time, active) if step_time is not None and not first_draft else None
+        asked = self._asked > 0
+        catching_up = np.any(asked & (self._steps - self._last_drafted > CATCH_UP_STEPS))
+        self._last_drafted[asked] = self._steps
+        self._step = (step_time, active) if step_time is not None and not catching_up else None
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
                     num_draft_tokens=self._asked.copy())
 

@@ -46,7 +46,7 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert all(len(r["pass_seconds"]) == 2 and r["passes_agree"] and r["policy_ms_per_step"] > 0 for r in rows)
     goodput = [r for r in rows if r["family"] == "goodput"]
     assert all(set(r["calibration"]) == {"base_scale", "extra_scale"} for r in goodput)
-    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / (sum(r["pass_seconds"]) / 2)) for r in rows)
+    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / max(r["pass_seconds"])) for r in rows)  # the slower middle
     # the mixed workload really mixes, and the bandits report what each kind of request used
     assert result["workloads"]["mixed"]["num_copy"] == result["workloads"]["mixed"]["num_continuation"] == 4
     bandit = next(r for r in rows if r["family"] == "bandit" and r["workload"] == "mixed")

@@ -133,6 +133,21 @@ def test_relax_forgets_the_oldest_window_entries():
     assert est.rate(0)[0] == pytest.approx(1 / 2)
 
 
+def test_relax_forgets_the_oldest_entries_of_a_window_not_yet_full():
+    est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=2, mode="window", window=100, prior=0.8)
+    for accepted in (0, 0, 2):  # 0/1, 0/1, 2/2: three entries of a window of 100
+        est.update(record(drafted=[2], accepted=[accepted]))
+    assert est.rate(0)[0] == pytest.approx(2 / 4)
+    est.relax(np.array([0]), 0, weight=0.01)  # one entry: the oldest rejection
+    assert est.rate(0)[0] == pytest.approx(2 / 3)
+    est.relax(np.array([0]), 0, weight=0.01)
+    assert est.rate(0)[0] == 1.0  # only the newest entry is left
+    est.relax(np.array([0]), 0, weight=0.5)  # more than it holds: all of them
+    assert est.rate(0)[0] == 0.8
+    est.update(record(drafted=[2], accepted=[0]))
+    assert est.rate(0)[0] == 0.0
+
+
 def test_coverage_discounts_expected_tokens():
     est = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=3, prior=1.0)
     asked = np.array([3, 3])
