@@ -230,13 +230,12 @@ class AcceptanceEstimator:
             self._rate[rows, d] += weight * (prior - self._rate[rows, d])
             self._coverage[rows, d] += weight * (1.0 - self._coverage[rows, d])
             return
-        for _ in range(min(max(1, round(weight * self.window)), self.window)):
-            held = rows[self._filled[rows, d] > 0]
-            if len(held) == 0:
-                return
-            oldest = (self._slot[held, d] - self._filled[held, d]) % self.window
-            self._successes[held, d, oldest] = 0.0
-            self._trials[held, d, oldest] = 0.0
-            self._asked[held, d, oldest] = 0.0
-            self._proposed[held, d, oldest] = 0.0
-            self._filled[held, d] -= 1
+        count = min(max(1, round(weight * self.window)), self.window)
+        forget = np.minimum(self._filled[rows, d], count)  # [A] entries each row forgets
+        first = self._slot[rows, d] - self._filled[rows, d]  # [A] its oldest entry's slot (mod W)
+        which = np.arange(count)[None, :] < forget[:, None]  # [A, count]
+        held_rows = np.broadcast_to(rows[:, None], which.shape)[which]
+        slots = ((first[:, None] + np.arange(count)[None, :]) % self.window)[which]
+        for table in (self._successes, self._trials, self._asked, self._proposed):
+            table[held_rows, d, slots] = 0.0
+        self._filled[rows, d] -= forget

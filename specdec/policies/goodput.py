@@ -321,7 +321,7 @@ class GoodputPolicy(Policy):
         self._batch = None
         self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s
         self.calibration = StepTimeCalibration() if calibrate else None  # kept across generate() calls
-        self._step = None  # (uncalibrated step time, active rows) of the planned step, for calibration
+        self._calibration_step = None  # (uncalibrated step time, active rows) of the planned step
         self._step_time_cache = None  # (active rows, LinearStepTime)
 
     @property
@@ -360,7 +360,7 @@ class GoodputPolicy(Policy):
         asked = self._asked > 0
         catching_up = np.any(asked & (self._steps - self._last_drafted > CATCH_UP_STEPS))
         self._last_drafted[asked] = self._steps
-        self._step = (step_time, active) if step_time is not None and not catching_up else None
+        self._calibration_step = (step_time, active) if step_time is not None and not catching_up else None
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
                     num_draft_tokens=self._asked.copy())
 
@@ -383,8 +383,8 @@ class GoodputPolicy(Policy):
 
     def observe(self, record: StepRecord) -> None:
         measured = getattr(record, "step_time_s", None)
-        if self.calibration is not None and measured and self._step is not None:
-            step_time, active = self._step
+        if self.calibration is not None and measured and self._calibration_step is not None:
+            step_time, active = self._calibration_step
             self.calibration.observe(step_time, self._asked[active], measured)
             if self.reprobe_after and not self._asked.any():
                 self.calibration.idle(len(active), self.reprobe_after)
