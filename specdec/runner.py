@@ -215,6 +215,8 @@ class ModelRunner:
         self.backend = BACKENDS[attention]
         self.graphs = None
         self._checked_layers = False
+        self.graph_passes = 0  # forward passes replayed from a captured graph
+        self.eager_passes = 0  # forward passes run eagerly (no graphs, or a pass that fits none)
 
     def enable_graphs(self, max_group_tokens: int, max_tokens: int, compile: bool = False) -> None:
         """Capture CUDA graphs for passes of up to ``max_tokens`` tokens in groups of at most
@@ -286,8 +288,10 @@ class ModelRunner:
         if logits_indices is not None and np.array_equal(logits_indices, np.arange(layout.num_tokens)):
             logits_indices = None  # every token's logits, in order: no gather needed
         if self.graphs is not None and self.graphs.fits(layout.counts):
+            self.graph_passes += 1
             logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts)  # valid until the next replay
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
+        self.eager_passes += 1
         meta = packed_metadata(layout, self.cache, self.device, self.backend)
         keep = 0 if logits_indices is None else to_device(logits_indices, self.device)
         position_ids = meta.token_positions

@@ -3,13 +3,15 @@ and at most one host synchronisation per decoding step."""
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from specdec import generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
-from specdec.policies import FixedPolicy
+from specdec.policies import FixedPolicy, Policy
 from specdec.runner import runners_of
+from specdec.types import Plan
 from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
 from tests.tiny import ARCHS, hf_greedy, make_model, perturbed_copy, random_prompts
 
@@ -66,6 +68,38 @@ def test_one_synchronisation_per_step(drafter_kind):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= out.stats.steps, [str(w.message)[:200] for w in syncs[:5]]
+
+
+class PausingPolicy(Policy):
+    """Steps 0-5: every row drafts 3 tokens in even steps, alternate rows in odd ones; steps
+    6-17: the whole batch drafts every third step only (so every row falls 3-4 tokens behind);
+    then plain decoding."""
+
+    max_draft_tokens = 3
+
+    def __init__(self):
+        self.step = 0
+
+    def plan(self, batch, num_drafters):
+        step, self.step = self.step, self.step + 1
+        rows = np.arange(batch.num_rows)
+        if step < 6:
+            k = np.full(batch.num_rows, 3) if step % 2 == 0 else np.where(rows % 2 == (step // 2) % 2, 3, 0)
+        else:
+            k = np.full(batch.num_rows, 3 if step < 18 and step % 3 == 0 else 0)
+        return Plan(drafter_index=np.zeros(batch.num_rows, dtype=np.int64), num_draft_tokens=k)
+
+
+def test_rows_that_pause_drafting_stay_in_the_drafter_graphs():
+    """Rows that skip drafting for a step, or a whole batch that skips two, are caught up in
+    graphed passes: the drafter's only eager pass is the prompts' (none when they fit a graph)."""
+    target = make_model("llama", dtype=torch.float32, device="cuda")
+    drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True)
+    prompts = random_prompts(8, target.config.vocab_size, seed=5)
+    out = generate(target, prompts, drafter=drafter, policy=PausingPolicy(), max_new_tokens=40, **GRAPHS)
+    assert out.sequences == [hf_greedy(target, p, 40) for p in prompts]
+    runner = runners_of(drafter.model)[f"drafter-{id(drafter)}"]
+    assert runner.eager_passes <= 1 and runner.graph_passes > 10
 
 
 def test_a_replaced_runner_is_released_at_once():

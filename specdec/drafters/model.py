@@ -3,8 +3,9 @@
 
 Invariant: the drafter's own KV cache (through the same ModelRunner as the target) holds, for
 each row, a prefix of the committed tokens: ``cache.lengths[r]`` positions. A proposal first
-catches each asked row up on the committed tokens it has not seen (one packed forward, any
-lengths), then runs k - 1 more single-token steps; after the verdict, ``commit`` keeps exactly
+catches every unfinished row up on the committed tokens it has not seen (one packed forward, any
+lengths; rows not drafting this step too, so no row falls out of the captured graphs' shapes),
+then runs k - 1 more single-token steps for the asked rows; after the verdict, ``commit`` keeps exactly
 the prefix that the target accepted. Sampling uses the same processed distribution rules as
 the target (sampling.py) with the drafter's own noise stream, and returns the distributions.
 
@@ -26,6 +27,9 @@ from ..runner import ModelRunner, PackedLayout, check_supported, device_of, reso
 from ..sampling import next_tokens
 from ..types import PAD_ID, Draft, SamplingParams
 from .base import Drafter
+
+
+MAX_CATCH_UP_PASSES = 4  # graphed passes a lagging catch-up may take before one eager pass does it
 
 
 class ModelDrafter(Drafter):
@@ -90,16 +94,9 @@ class ModelDrafter(Drafter):
         if len(rows) == 0:
             return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
 
-        cached = runner.cache.lengths
-        # Catch-up: feed each asked row the committed tokens its cache lacks (at least the last one).
-        starts, ends = cached[rows], batch.lengths[rows]
-        catch_up = batch.packed_tokens(rows, starts, ends)
-        layout = PackedLayout(rows=rows, starts=starts, counts=ends - starts)
-        logits = runner.forward(
-            to_device(catch_up, device), layout, logits_indices=layout.last_token_indices()
-        )  # [R, V]
-        cached[rows] = ends
+        logits = self._catch_up(batch, rows)  # [R, V] next-token logits of the asked rows
 
+        cached = runner.cache.lengths
         greedy = self.sampling.greedy
         rows_t = to_device(rows, device)  # [R]
         for depth in range(max_tokens):
@@ -123,6 +120,41 @@ class ModelDrafter(Drafter):
             logits = runner.forward(chosen, layout)  # [R', V]
             cached[rows] += 1
         return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
+
+    def _catch_up(self, batch: BatchState, asked: np.ndarray) -> torch.Tensor:
+        """Feed every unfinished row the committed tokens its cache lacks (at least the last one
+        for each asked row) -> logits [len(asked), V] after each asked row's last token.
+
+        Rows that do not draft this step are fed too: their few tokens ride along in the same
+        pass almost for free, and keep each row at most two tokens behind, within the captured
+        graphs' groups; otherwise a row resuming after a pause would send the whole pass to the
+        eager path. A lag longer than the graphs' groups (the drafter sat out some steps) is fed
+        in several graphed passes of at most that many tokens per row, ending together, when that
+        takes at most MAX_CATCH_UP_PASSES passes; a longer one (the prompt) in one eager pass."""
+        runner = self._runner
+        cached = runner.cache.lengths
+        behind = ~batch.finished & (cached[: batch.num_rows] < batch.lengths)
+        behind[asked] = True
+        rows = np.flatnonzero(behind)  # [F] ascending, holds every asked row
+        ends = batch.lengths[rows]  # [F]
+        starts = np.minimum(cached[rows], ends - 1)  # [F] an asked row is fed its last token at least
+        group = runner.graphs.max_group_tokens if runner.graphs is not None else 0
+        passes = -(-int((ends - starts).max()) // group) if group else 1
+        if passes > MAX_CATCH_UP_PASSES:
+            passes = 1
+        step = int((ends - starts).max()) if passes == 1 else group
+        asked_slots = np.searchsorted(rows, asked)  # [R] where each asked row sits in ``rows``
+        for p in range(passes):
+            upper = ends - (passes - 1 - p) * step  # [F] each row's chunk ends here...
+            lower = np.maximum(starts, upper - step)  # ...and starts here (empty when upper <= starts)
+            present = upper > lower
+            layout = PackedLayout(rows=rows[present], starts=lower[present], counts=(upper - lower)[present])
+            token_ids = batch.packed_tokens(layout.rows, layout.starts, upper[present])
+            last = p == passes - 1  # every row ends in the last pass, so all are present there
+            logits = runner.forward(to_device(token_ids, runner.device), layout,
+                                    logits_indices=layout.last_token_indices()[asked_slots] if last else np.zeros(1, dtype=np.int64))
+        cached[rows] = ends
+        return logits
 
     def commit(self, lengths_before: np.ndarray, num_accepted: np.ndarray) -> None:
         # Cached drafts beyond the accepted ones were computed from rejected tokens.

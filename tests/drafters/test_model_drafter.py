@@ -1,5 +1,6 @@
 """ModelDrafter keeps its cache consistent through arbitrary accept/reject sequences: every
-proposal equals the drafter model's own greedy continuation of the committed tokens."""
+proposal equals the drafter model's own greedy continuation of the committed tokens, and rows
+that do not draft in a step are caught up all the same."""
 
 import numpy as np
 import pytest
@@ -8,12 +9,28 @@ import torch
 from specdec import SamplingParams
 from specdec.batch import BatchState
 from specdec.drafters import ModelDrafter
+from specdec.drafters.model import MAX_CATCH_UP_PASSES
 from specdec.types import HostVerdict
 from tests.tiny import ARCHS, hf_greedy, make_model, random_prompts
 
 
+class ChunkingGraphs:
+    """Stands in for captured graphs of groups of at most 2 tokens, so the drafter feeds a longer
+    catch-up in chunks; every pass still runs eagerly (``fits`` is False), on CPU."""
+
+    max_group_tokens = 2
+
+    def __init__(self):
+        self.passes = []
+
+    def fits(self, counts):
+        self.passes.append(int(counts.max()))
+        return False
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-pass", "chunked"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_proposals_follow_the_drafter_after_rollbacks(arch):
+def test_proposals_follow_the_drafter_after_rollbacks(arch, chunked):
     model = make_model(arch, seed=7)
     reference = make_model(arch, seed=7)  # an identical copy, decoded by Hugging Face
     prompts = random_prompts(4, 96, seed=2)
@@ -21,10 +38,21 @@ def test_proposals_follow_the_drafter_after_rollbacks(arch):
     drafter = ModelDrafter(model)
     generator = np.random.default_rng(0)
     drafter.start(batch, SamplingParams(), torch.device("cpu"), max_draft_tokens=5)
+    graphs = drafter._runner.graphs = ChunkingGraphs() if chunked else None
+    chunked_catch_ups = 0
     try:
-        for _ in range(6):
+        for step in range(8):
             wanted = generator.integers(0, 6, size=4)  # some rows draft nothing this step
+            if step in (2, 5):
+                wanted[:] = 0  # nor does any row: each falls further behind
+            lag = int((batch.lengths - drafter._runner.cache.lengths[:4]).max())
+            passes_before = len(graphs.passes) if chunked else 0
             draft = drafter.propose(batch, wanted)
+            if chunked and wanted.any() and 2 < lag <= 2 * MAX_CATCH_UP_PASSES:
+                chunked_catch_ups += 1  # fed in passes of at most 2 tokens per row
+                assert max(graphs.passes[passes_before : passes_before - (-lag // 2)]) <= 2
+            # whenever any row drafts, every row has been fed all its committed tokens
+            assert np.all(drafter._runner.cache.lengths[:4] >= batch.lengths) or not wanted.any()
             for r in range(4):
                 k = int(wanted[r])
                 committed = batch.token_ids[r, : batch.lengths[r]].tolist()
@@ -39,5 +67,7 @@ def test_proposals_follow_the_drafter_after_rollbacks(arch):
             lengths_before = batch.lengths.copy()
             batch.commit(HostVerdict(token_ids=emitted, num_emitted=accepted + 1, num_accepted=accepted))
             drafter.commit(lengths_before, accepted)
+        assert chunked_catch_ups > 0 or not chunked
     finally:
+        drafter._runner.graphs = None
         drafter.finish()
