@@ -9,11 +9,13 @@ prompt, the longest draft), so no call inside a timed window rebuilds one; profi
 CostModel on the same device through the same runners (CUDA graphs and compile as generation
 uses them), with the decoding loop's per-step overhead; measure tau per draft length on a few
 held-out requests of each workload and build BatchAdaptivePolicy's table from it and the cost
-model; then, for each batch size (largest first), workload and method: one short untimed
-warm-up call on the chunk with the longest prompts, then ``repeats`` timed passes over the
-requests (batch B: the first max(B, num_prompts) requests in calls of B; batch 1: the first
-batch1_prompts requests, one per call), each with a fresh policy, the device synchronised around
-each timed window; tokens/s from the median pass. ``--merge`` joins runs made at different batch
+model; then, for each batch size (largest first) and workload (a cell): one short untimed warm-up
+call per method on the chunk with the longest prompts, then ``repeats`` rounds that each time one
+pass of every method, in an order rotated from round to round (requests at batch B: the first
+max(B, num_prompts) in calls of B; batch 1: the first batch1_prompts, one per call), each pass
+with a fresh policy, the device synchronised around it and the garbage collector paused during
+it; tokens/s from each method's median pass. Interleaving puts a slow spell of the machine on
+every method alike. ``--merge`` joins runs made at different batch
 sizes (one GPU call each) into one report.
 
 Invariant: every output of every run is compared token for token with plain decoding of the
@@ -23,13 +25,14 @@ calls of its run, not from the warm-up).
 
 Results: JSON (environment, settings, workloads, cost model, tables, every run, the targets), a
 markdown report, two PNG plots, and the cost model JSON; a ``.partial.json`` is rewritten after
-every run, so a run cut short keeps what it measured. ``time_limit_s`` skips the runs that would
+every cell, so a run cut short keeps what it measured. ``time_limit_s`` skips the cells that would
 start after it (they are listed as skipped), so the report is always written.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -86,14 +89,14 @@ class PolicyBenchSettings:
     max_draft_tokens: int = 8  # GoodputPolicy's and BatchAdaptivePolicy's longest draft
     bandit_length: int = 4  # BanditPolicy's draft length (added to ``lengths`` if missing)
     policy_drafter: str | None = None  # GoodputPolicy's and BatchAdaptivePolicy's; None: the first model drafter
-    goodput_decide_every: int = 4  # steps between GoodputPolicy's decisions
+    goodput_decide_every: int = 8  # steps between GoodputPolicy's decisions
     bandit_times: str = "measured"  # "measured" (CUDA events) or "model" (the cost model's predictions)
     profile_grid: str = "default"  # "default" or "tiny"
     profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile
     tau_profile_tokens: int = 32
     warmup_tokens: int = 8  # new tokens of each untimed warm-up call
     repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
-    time_limit_s: float | None = None  # no run starts after this many seconds
+    time_limit_s: float | None = None  # no cell (batch size, workload) starts after this many seconds
     seed: int = 0
 
 
@@ -324,84 +327,119 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     result["timings"]["tau_profile_s"] = time.perf_counter() - phase
     save(result)
 
-    # 4. the runs
+    # 4. the runs, one cell (batch size, workload) at a time, every method's passes interleaved
     grid_methods = methods(settings, names, policy_drafter, cost_model, tables, priors)
-    plan = [(b, w, m) for b in batch_sizes for w in settings.workloads for m in grid_methods]
+    cells = [(b, w) for b in batch_sizes for w in settings.workloads]
+    total = len(cells) * len(grid_methods)
     models = [target] + [zoo.drafters[n] for n in model_names]
     runs_started = time.perf_counter()
     units_done = seconds_done = 0.0
-    references: dict[tuple[str, int], list[list[int]]] = {}
-    for number, (batch, workload_name, method) in enumerate(plan, start=1):
+    for number, (batch, workload_name) in enumerate(cells):
         if settings.time_limit_s is not None and elapsed() > settings.time_limit_s:
-            result["skipped"] = [{"workload": w, "batch": b, "method": m.name} for b, w, m in plan[number - 1 :]]
-            log(f"time limit of {settings.time_limit_s:.0f} s reached: {len(plan) - number + 1} runs skipped")
+            result["skipped"] = [{"workload": w, "batch": b, "method": m.name} for b, w in cells[number:] for m in grid_methods]
+            log(f"time limit of {settings.time_limit_s:.0f} s reached: {len(result['skipped'])} runs skipped")
             break
         workload = workloads[workload_name]
         size = settings.batch1_prompts if batch == 1 else max(batch, settings.num_prompts)
         prompts, kinds = workload.prompts(size), np.array([KINDS.index(k) for k in workload.kinds(size)])
-        reference = references.get((workload_name, batch))
-        run_started = time.perf_counter()
         before = _runner_ids(models)
-        try:
-            if method.family != "plain" and reference is None:
-                raise RuntimeError("no plain decoding output to compare with (plain decoding failed or was skipped)")
-            row = measure(target, drafters, method, workload_name, prompts, kinds, batch, settings, eos, graphs, compiled)
-        except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
-            row = {"error": f"{type(error).__name__}: {str(error)[:300]}", "sequences": None}
-        row_sequences = row.pop("sequences")
-        row = {"workload": workload_name, "batch": batch, "method": method.name, "family": method.family,
-               "variant": method.variant, "drafters": list(method.drafters), "length": method.length,
-               "prompts": len(prompts), **row, "elapsed_s": time.perf_counter() - run_started,
-               "runner_rebuilt": _runner_ids(models) != before}
-        row.setdefault("error", "")
-        if not row["error"]:
-            if method.family == "plain":
-                references[(workload_name, batch)] = row_sequences
-                row["identical"], row["agreement"] = None, 1.0
-            else:
-                row["identical"] = row_sequences == reference and row["passes_agree"]
-                row["agreement"] = agreement(row_sequences, reference)
-        result["rows"].append(row)
+        measured = measure_cell(target, drafters, grid_methods, workload_name, prompts, kinds, batch, settings, eos,
+                                graphs, compiled)
+        rebuilt = _runner_ids(models) != before
+        reference = measured[0].get("sequences")  # plain decoding comes first
+        for index, (method, row) in enumerate(zip(grid_methods, measured), start=1):
+            row_sequences = row.pop("sequences")
+            row = {"workload": workload_name, "batch": batch, "method": method.name, "family": method.family,
+                   "variant": method.variant, "drafters": list(method.drafters), "length": method.length,
+                   "prompts": len(prompts), **row, "runner_rebuilt": rebuilt}
+            row.setdefault("error", "")
+            if not row["error"]:
+                if method.family == "plain":
+                    row["identical"], row["agreement"] = None, 1.0
+                elif reference is None:
+                    row["error"] = "no plain decoding output to compare with (plain decoding failed)"
+                else:
+                    row["identical"] = row_sequences == reference and row["passes_agree"]
+                    row["agreement"] = agreement(row_sequences, reference)
+            result["rows"].append(row)
+            units_done += len(prompts) / batch * settings.max_new_tokens
+            seconds_done += row["elapsed_s"]
+            left = sum((settings.batch1_prompts if b == 1 else max(b, settings.num_prompts)) / b
+                       for b, _ in cells[number + 1 :]) * len(grid_methods) * settings.max_new_tokens \
+                * seconds_done / max(units_done, 1e-9)
+            log(progress_line(row, result["rows"], number * len(grid_methods) + index, total, elapsed(), left))
         save(result)
-        units = len(prompts) / batch * settings.max_new_tokens
-        units_done, seconds_done = units_done + units, seconds_done + row["elapsed_s"]
-        left = sum((settings.batch1_prompts if b == 1 else max(b, settings.num_prompts)) / b * settings.max_new_tokens
-                   for b, _, _ in plan[number:]) * seconds_done / max(units_done, 1e-9)
-        log(progress_line(row, references, result["rows"], number, len(plan), elapsed(), left))
     result["timings"]["runs_s"] = time.perf_counter() - runs_started
     result["timings"]["total_s"] = elapsed()
     result["targets"] = policy_targets(result)
     return result
 
 
-def measure(target, drafters: dict, method: Method, workload: str, prompts: list[list[int]], kinds: np.ndarray,
-            batch: int, settings: PolicyBenchSettings, eos, graphs: bool, compiled: bool) -> dict:
-    """One timed run: a warm-up call, then every chunk of ``batch`` prompts -> a row (with the
-    sequences, for the comparison)."""
-    given = [drafters[n] for n in method.drafters]
-    kwargs = {"drafter": given or None, "verifier": PaddingFreeVerifier(), "eos_token_id": eos, "cuda_graphs": graphs,
-                  "compile": compiled}
-    starts = range(0, len(prompts), batch)
-    chunks = [prompts[i : i + batch] for i in starts]
+def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: str, prompts: list[list[int]],
+                 kinds: np.ndarray, batch: int, settings: PolicyBenchSettings, eos, graphs: bool,
+                 compiled: bool) -> list[dict]:
+    """Every method on one workload at one batch size -> a row per method (with its sequences,
+    for the comparison). First one short untimed warm-up call per method; then ``repeats``
+    rounds, each timing one pass of every method (the order rotated from round to round), so a
+    slow spell of the machine falls on every method alike rather than on one method's passes.
+    Each pass runs every chunk of ``batch`` prompts with a fresh policy, the device
+    synchronised around it and the garbage collector run before it and paused during it (a
+    collection lands on whichever pass it happens to fall in). A method that raises gets an
+    error row and takes no further part."""
+    chunk_starts = range(0, len(prompts), batch)
+    chunks = [prompts[i : i + batch] for i in chunk_starts]
     longest = max(range(len(chunks)), key=lambda c: max(map(len, chunks[c])))
-    generate(target, chunks[longest], policy=method.make(workload), max_new_tokens=settings.warmup_tokens, **kwargs)
-    timings, passes = [], []
-    for _ in range(settings.repeats):
-        policy = method.make(workload)
-        tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in starts]
-        _synchronise(settings.device)
+    calls, passes, errors, spent = [], [[] for _ in grid_methods], {}, [0.0] * len(grid_methods)
+    for index, method in enumerate(grid_methods):
+        given = [drafters[n] for n in method.drafters]
+        kwargs = {"drafter": given or None, "verifier": PaddingFreeVerifier(), "eos_token_id": eos,
+                  "cuda_graphs": graphs, "compile": compiled}
+        calls.append((given, kwargs))
         started = time.perf_counter()
-        outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
-                   for chunk, tally in zip(chunks, tallies)]
-        _synchronise(settings.device)
-        timings.append(time.perf_counter() - started)
-        passes.append((outputs, tallies, policy))
-    # the median pass (the slower middle one for an even count): its time and its statistics
-    # (adaptive policies may choose differently from pass to pass)
+        try:
+            generate(target, chunks[longest], policy=method.make(workload), max_new_tokens=settings.warmup_tokens, **kwargs)
+        except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
+            errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
+        spent[index] += time.perf_counter() - started
+    for round_number in range(settings.repeats):
+        shift = round_number * max(1, len(grid_methods) // settings.repeats)
+        for index in [(i + shift) % len(grid_methods) for i in range(len(grid_methods))]:
+            if index in errors:
+                continue
+            given, kwargs = calls[index]
+            policy = grid_methods[index].make(workload)
+            tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
+            gc.collect()
+            gc.disable()
+            _synchronise(settings.device)
+            started = time.perf_counter()
+            try:
+                outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
+                           for chunk, tally in zip(chunks, tallies)]
+                _synchronise(settings.device)
+                passes[index].append((time.perf_counter() - started, outputs, tallies, policy))
+            except Exception as error:  # noqa: BLE001
+                errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
+            finally:
+                gc.enable()
+                spent[index] += time.perf_counter() - started
+    rows = []
+    for index, method in enumerate(grid_methods):
+        if index in errors:
+            rows.append({"error": errors[index], "sequences": None, "elapsed_s": spent[index]})
+        else:
+            rows.append({**summarise_passes(method, passes[index]), "elapsed_s": spent[index]})
+    return rows
+
+
+def summarise_passes(method: Method, passes: list[tuple]) -> dict:
+    """One method's timed passes [(seconds, outputs, tallies, policy)] -> its row: time and
+    statistics from the median pass (the slower middle one for an even count; adaptive policies
+    may choose differently from pass to pass), every pass's output checked against the first."""
+    timings = [p[0] for p in passes]
     chosen = int(np.argsort(timings)[len(timings) // 2])
-    seconds = timings[chosen]
-    outputs, tallies, policy = passes[chosen]
-    every_pass = [[s for out in outs for s in out.sequences] for outs, _, _ in passes]
+    seconds, outputs, tallies, policy = passes[chosen]
+    every_pass = [[s for out in outs for s in out.sequences] for _, outs, _, _ in passes]
     calibration = getattr(policy, "calibration", None)  # GoodputPolicy's measured corrections, by active rows
     sequences = [s for out in outputs for s in out.sequences]
     tokens = sum(map(len, sequences))
@@ -411,7 +449,7 @@ def measure(target, drafters: dict, method: Method, workload: str, prompts: list
     drafting = sum(t.drafting for t in tallies)  # [kinds, drafters]
     use = {}
     for k, kind in enumerate(KINDS):
-        if by_kind_steps[k] > 0 and given:
+        if by_kind_steps[k] > 0 and method.drafters:
             use[kind] = {n: float(drafting[k, d] / by_kind_steps[k]) for d, n in enumerate(method.drafters)}
     return {
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else float("nan"),
@@ -431,7 +469,7 @@ def measure(target, drafters: dict, method: Method, workload: str, prompts: list
     }
 
 
-def progress_line(row: dict, references: dict, rows: list[dict], number: int, total: int, elapsed: float,
+def progress_line(row: dict, rows: list[dict], number: int, total: int, elapsed: float,
                   left: float) -> str:
     head = f"[{number:>3}/{total}] {row['workload']:<12} b{row['batch']:<3} {row['method']:<48}"
     tail = f"{row['elapsed_s']:5.1f} s; {elapsed:4.0f} s elapsed, about {left:.0f} s of runs left"
@@ -797,7 +835,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput-decide-every", type=int, default=d.goodput_decide_every)
     p.add_argument("--bandit-times", choices=("measured", "model"), default=d.bandit_times)
     p.add_argument("--profile-grid", choices=("default", "tiny"), default=d.profile_grid)
-    p.add_argument("--time-limit-s", type=float, default=None, help="start no run after this many seconds")
+    p.add_argument("--time-limit-s", type=float, default=None, help="start no cell (batch size, workload) after this many seconds")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per run (median); --quick: 1")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="merge results of the same experiment at different batch sizes into one report (no run)")

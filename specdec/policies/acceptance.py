@@ -81,12 +81,15 @@ class AcceptanceEstimator:
     num_rows: requests of the generate() call; num_drafters: drafters given to it;
     max_draft_tokens: positions tracked; prior: cold-start rate, one number or one per drafter;
     mode: "ema" (old * 0.85 + step * 0.15 for every observed quantity) or "window" (ratio of
-    successes to trials over the last ``window`` steps in which that row used that drafter).
+    successes to trials over the last ``window`` steps in which that row used that drafter);
+    positions: track the per-position rates (EMA mode; False keeps only the pooled rate, which
+    halves the update's cost, and ``position_rates`` repeats the pooled rate; the window mode
+    always tracks them).
     """
 
     def __init__(self, num_rows: int, num_drafters: int, max_draft_tokens: int,
                  prior: float | Sequence[float] = 0.5, mode: str = "ema", window: int = DEFAULT_WINDOW,
-                 old_weight: float = EMA_OLD_WEIGHT):
+                 old_weight: float = EMA_OLD_WEIGHT, positions: bool = True):
         if mode not in ("ema", "window"):
             raise ValueError(f"mode must be 'ema' or 'window', got {mode!r}")
         if num_drafters < 1 or max_draft_tokens < 1:
@@ -100,6 +103,7 @@ class AcceptanceEstimator:
             raise ValueError(f"window must be >= 1, got {window!r}")
         self.num_rows, self.num_drafters, self.max_draft_tokens = num_rows, num_drafters, max_draft_tokens
         self.mode, self.window, self.old_weight = mode, window, old_weight
+        self.positions = bool(positions) or mode == "window"
         self.prior = priors  # [D]
         shape = (num_rows, num_drafters)
         if mode == "ema":
@@ -122,7 +126,7 @@ class AcceptanceEstimator:
         d = np.broadcast_to(np.asarray(drafter_index, dtype=np.int64), (self.num_rows,))
         rows = np.arange(self.num_rows)
         if self.mode == "ema":
-            return self._position[rows, d].copy()
+            return self._position[rows, d].copy() if self.positions else iid_rates(self._rate[rows, d], self.max_draft_tokens)
         successes = self._successes[rows, d].sum(axis=1)  # [B, K]
         trials = self._trials[rows, d].sum(axis=1)
         return np.where(trials > 0, successes / np.maximum(trials, 1), self.prior[d][:, None])
@@ -171,25 +175,31 @@ class AcceptanceEstimator:
         drafted = np.minimum(drafted, self.max_draft_tokens)
         accepted = np.minimum(accepted, drafted)
         rejected = (accepted < drafted) & (emitted > accepted)  # a real rejection, not a cut-short step
+        was_asked = None
+        if asked is not None:
+            was_asked = np.asarray(asked, dtype=np.int64)[rows] > 0
+        if not self.positions:  # pooled counts only: accepted successes, one failure if rejected
+            trials = accepted + rejected  # [A]
+            has_trial = trials > 0
+            self.observed[rows, drafter] += has_trial
+            self._update_ema_pooled(rows, drafter, accepted / np.maximum(trials, 1), has_trial, was_asked, drafted)
+            return
         position = np.arange(self.max_draft_tokens)
         success = (position[None, :] < accepted[:, None]).astype(np.float64)  # [A, K]
         trial = success + ((position[None, :] == accepted[:, None]) & rejected[:, None])  # [A, K]
         has_trial = trial.sum(axis=1) > 0  # [A]
         self.observed[rows, drafter] += has_trial
-        was_asked = None
-        if asked is not None:
-            was_asked = np.asarray(asked, dtype=np.int64)[rows] > 0
         if self.mode == "ema":
-            self._update_ema(rows, drafter, success, trial, has_trial, was_asked, drafted)
+            self._position[rows, drafter] = np.where(trial > 0, self.old_weight * self._position[rows, drafter]
+                                                     + (1.0 - self.old_weight) * success, self._position[rows, drafter])
+            step_rate = success.sum(axis=1) / np.maximum(trial.sum(axis=1), 1)  # [A]
+            self._update_ema_pooled(rows, drafter, step_rate, has_trial, was_asked, drafted)
         else:
             self._update_window(rows, drafter, success, trial, has_trial, was_asked, drafted)
 
-    def _update_ema(self, rows, drafter, success, trial, has_trial, was_asked, drafted) -> None:
+    def _update_ema_pooled(self, rows, drafter, step_rate, has_trial, was_asked, drafted) -> None:
+        """The pooled rate and the coverage: old * 0.85 + this step * 0.15 where observed."""
         old, new = self.old_weight, 1.0 - self.old_weight
-        seen = trial > 0  # [A, K]
-        current = self._position[rows, drafter]  # [A, K]
-        self._position[rows, drafter] = np.where(seen, old * current + new * success, current)
-        step_rate = success.sum(axis=1) / np.maximum(trial.sum(axis=1), 1)  # [A]
         current_rate = self._rate[rows, drafter]
         self._rate[rows, drafter] = np.where(has_trial, old * current_rate + new * step_rate, current_rate)
         if was_asked is not None:
@@ -226,7 +236,8 @@ class AcceptanceEstimator:
         d = int(drafter_index)
         prior = self.prior[d]
         if self.mode == "ema":
-            self._position[rows, d] += weight * (prior - self._position[rows, d])
+            if self.positions:
+                self._position[rows, d] += weight * (prior - self._position[rows, d])
             self._rate[rows, d] += weight * (prior - self._rate[rows, d])
             self._coverage[rows, d] += weight * (1.0 - self._coverage[rows, d])
             return

@@ -96,25 +96,39 @@ def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[in
 
 def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], draft_lengths: Sequence[int],
                         max_new_tokens: int = 32, **generate_options) -> tuple[dict[int, float], dict]:
-    """A short measured profile, no model in between: for every batch size b and length s, one
-    generate() call on b requests (``prompts`` cycled) with FixedPolicy(s), warm runners assumed.
+    """A short measured profile, no model in between: for every batch size b and length s,
+    generate() with FixedPolicy(s) on every one of ``prompts`` in calls of b (one call of b
+    requests, ``prompts`` cycled, when b exceeds their number), warm runners assumed. A small
+    batch size thus still measures many requests, not one request's luck.
 
-    -> (l(s): tau averaged over the batch sizes, {(b, s): measured seconds per decoding step}).
+    -> (l(s): tau pooled over every call, {(b, s): measured seconds per decoding step, pooled
+    over its calls}).
     """
     from ..generate import generate  # the loop imports the policies package
     from .fixed import FixedPolicy
 
-    taus: dict[int, list[float]] = {}
+    prompts = list(prompts)
+    emitted: dict[int, float] = {}
+    row_steps: dict[int, float] = {}
     seconds: dict[tuple[int, int], float] = {}
     for b in batch_sizes:
-        chosen = [prompts[i % len(prompts)] for i in range(int(b))]
+        b = int(b)
+        if b >= len(prompts):
+            calls = [[prompts[i % len(prompts)] for i in range(b)]]
+        else:
+            calls = [prompts[i : i + b] for i in range(0, len(prompts) - b + 1, b)]  # whole calls of b only
         for s in draft_lengths:
-            out = generate(target, chosen, drafter=drafter if s > 0 else None, policy=FixedPolicy(int(s)),
-                           max_new_tokens=max_new_tokens, **generate_options)
-            stats = out.stats
-            seconds[(int(b), int(s))] = (stats.wall_time_s - stats.prefill_time_s) / stats.steps
-            taus.setdefault(int(s), []).append(float(stats.tau))
-    return {s: float(np.mean(v)) for s, v in taus.items()}, seconds
+            decoding_s = steps = 0.0
+            for chosen in calls:
+                out = generate(target, chosen, drafter=drafter if s > 0 else None, policy=FixedPolicy(int(s)),
+                               max_new_tokens=max_new_tokens, **generate_options)
+                stats = out.stats
+                decoding_s += stats.wall_time_s - stats.prefill_time_s
+                steps += stats.steps
+                emitted[int(s)] = emitted.get(int(s), 0.0) + sum(r.emitted for r in stats.requests)
+                row_steps[int(s)] = row_steps.get(int(s), 0.0) + sum(r.steps for r in stats.requests)
+            seconds[(b, int(s))] = decoding_s / steps
+    return {s: emitted[s] / row_steps[s] for s in emitted}, seconds
 
 
 class BatchAdaptivePolicy(Policy):

@@ -36,9 +36,9 @@ Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); w
 every row decodes plainly this step. Acceptance is re-estimated after every step (EMA 0.85/0.15
 or a window of 100 steps, cold start at ``prior``); a row that does not draft drifts back towards
 the prior (``revisit``), so a run of rejections does not switch it off for good. The step-time
-model is corrected online by measured wall times (StepTimeCalibration), per bucket of active
-rows: the fitted model can under-predict what drafting costs at a large batch, and a batch's
-straggling last rows are a different trade-off from its first 64.
+model is corrected online by measured wall times (StepTimeCalibration: medians of recent steps),
+per bucket of active rows: the fitted model can under-predict what drafting costs at a large
+batch, and a batch's straggling last rows are a different trade-off from its first 64.
 
 Invariant: the policy changes only how many tokens are drafted; output is the target's own.
 """
@@ -221,45 +221,57 @@ class StepTimeCalibration:
     """Online correction of a LinearStepTime by measured step wall times, per bucket of active
     rows (row_bucket), since what a model mis-predicts differs between 64 rows and 3.
 
-    A plain step measured at m seconds against a predicted base P0 gives base_scale = m / P0; a
-    speculative step against predicted base P0 and extra E = T(k) - P0 gives
-    extra_scale = (m - base_scale * P0) / E (clipped to [0.05, 50]). The first measurement of a
-    bucket is taken as it is and later ones enter an EMA (0.85 old / 0.15 new); a bucket never
-    measured starts at 1 (the model as profiled), so each new bucket is tried once; a bucket's
-    drafting correction is forgotten after ``reprobe_after`` steps in a row that did not draft
-    (GoodputPolicy), so speculation is measured again now and then (at most one step in that many
-    when it does not pay) rather than ruled out for good by one slow step.
+    A plain step measured at m seconds against a predicted base P0 gives a sample
+    m / P0 of base_scale; a speculative step against predicted base P0 and extra E = T(k) - P0
+    gives a sample (m - base_scale * P0) / E of extra_scale (clipped to [0.05, 50]). Each scale
+    is the median of the bucket's last WINDOW samples once it holds MIN_SAMPLES, and 1 (the
+    model as profiled) before: a step slowed down by something else (a garbage collection, the
+    host scheduler) moves neither, where a moving average would let one such step switch
+    speculation off. A bucket's drafting samples are forgotten after ``reprobe_after`` steps in
+    a row that did not draft (GoodputPolicy), so speculation is measured again now and then (a
+    few steps in that many when it does not pay) rather than ruled out for good.
     Steps whose time includes catch-up work (a model drafter reading the tokens it missed while
     its row did not draft: the whole prompt the first time) are not fed in.
 
-    Invariant: scales are positive; with no measurements the calibrated model is the model."""
+    Invariant: scales are positive; with fewer than MIN_SAMPLES measurements the calibrated model
+    is the model."""
 
-    OLD_WEIGHT = 0.85
+    WINDOW = 8
+    MIN_SAMPLES = 3
     EXTRA_CLIP = (0.05, 50.0)
 
     def __init__(self):
-        self.base_scale: dict[int, float] = {}
+        self.base_scale: dict[int, float] = {}  # bucket -> median of its samples (MIN_SAMPLES or more)
         self.extra_scale: dict[int, float] = {}
+        self._base_samples: dict[int, list[float]] = {}
+        self._extra_samples: dict[int, list[float]] = {}
         self._idle: dict[int, int] = {}  # steps without drafting since the bucket's last drafting step
 
     def apply(self, step_time: LinearStepTime, num_rows: int) -> LinearStepTime:
         bucket = row_bucket(num_rows)
         return step_time.calibrated(self.base_scale.get(bucket, 1.0), self.extra_scale.get(bucket, 1.0))
 
-    def _blend(self, table: dict, bucket: int, sample: float) -> None:
-        old = table.get(bucket)
-        table[bucket] = sample if old is None else self.OLD_WEIGHT * old + (1.0 - self.OLD_WEIGHT) * sample
+    def _add(self, samples: dict, scales: dict, bucket: int, sample: float) -> None:
+        held = samples.setdefault(bucket, [])
+        held.append(sample)
+        if len(held) > self.WINDOW:
+            del held[0]
+        if len(held) >= self.MIN_SAMPLES:
+            ordered = sorted(held)
+            middle = len(ordered) // 2
+            scales[bucket] = ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
 
     def idle(self, num_rows: int, forget_after: int) -> None:
         """Count a step that did not draft; after ``forget_after`` of them in a row, forget this
-        bucket's drafting correction, so the next decision uses the model again and, if it
-        drafts, measures afresh: one slow measurement cannot rule speculation out for good."""
+        bucket's drafting samples, so the next decision uses the model again and, if it drafts,
+        measures afresh: measurements cannot rule speculation out for good."""
         bucket = row_bucket(num_rows)
-        if bucket not in self.extra_scale:
+        if bucket not in self._extra_samples:
             return
         self._idle[bucket] = self._idle.get(bucket, 0) + 1
         if self._idle[bucket] >= forget_after:
-            del self.extra_scale[bucket]
+            del self._extra_samples[bucket]
+            self.extra_scale.pop(bucket, None)
             self._idle[bucket] = 0
 
     def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: float) -> None:
@@ -268,14 +280,14 @@ class StepTimeCalibration:
         if step_time.base <= 0 or measured_s <= 0:
             return
         if not np.any(k):
-            self._blend(self.base_scale, bucket, measured_s / step_time.base)
+            self._add(self._base_samples, self.base_scale, bucket, measured_s / step_time.base)
             return
         self._idle[bucket] = 0
         extra = float(step_time.extra(k))
         if extra <= 0:
             return
         base = self.base_scale.get(bucket, 1.0) * step_time.base
-        self._blend(self.extra_scale, bucket, float(np.clip((measured_s - base) / extra, *self.EXTRA_CLIP)))
+        self._add(self._extra_samples, self.extra_scale, bucket, float(np.clip((measured_s - base) / extra, *self.EXTRA_CLIP)))
 
 
 class GoodputPolicy(Policy):
@@ -316,7 +328,7 @@ class GoodputPolicy(Policy):
         self._max_draft_tokens = int(max_draft_tokens)
         self.min_gain, self.decide_every, self.per_position = float(min_gain), int(decide_every), per_position
         self.revisit, self.reprobe_after = float(revisit), int(reprobe_after)
-        self._estimator_options = {"prior": prior, "mode": estimator, "window": window}
+        self._estimator_options = {"prior": prior, "mode": estimator, "window": window, "positions": per_position}
         self.estimator: AcceptanceEstimator | None = None
         self._batch = None
         self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s

@@ -71,6 +71,30 @@ def test_ema_update_per_position_and_pooled():
     assert np.allclose(est.rate(0), [0.85 * 0.5 + 0.15 * 0.5, 0.85 * 0.5 + 0.15 * 1.0])
 
 
+def test_pooled_only_estimator_matches_the_full_one():
+    """positions=False keeps the same pooled rate and coverage as the full EMA estimator (random
+    steps with rejections, censored steps, unasked rows and relaxation), and reads positions as
+    the pooled rate repeated."""
+    generator = np.random.default_rng(3)
+    full = AcceptanceEstimator(num_rows=6, num_drafters=2, max_draft_tokens=5, prior=[0.6, 0.3])
+    pooled = AcceptanceEstimator(num_rows=6, num_drafters=2, max_draft_tokens=5, prior=[0.6, 0.3], positions=False)
+    for _ in range(40):
+        asked = generator.integers(0, 6, size=6)
+        drafted = np.where(generator.random(6) < 0.8, asked, 0)  # sometimes nothing proposed
+        accepted = np.array([generator.integers(0, d + 1) for d in drafted])
+        emitted = np.where(generator.random(6) < 0.1, accepted, accepted + 1)  # some cut short
+        step = record(drafted, accepted, emitted, drafter=generator.integers(0, 2, size=6),
+                      rows=np.flatnonzero(generator.random(6) < 0.9))
+        for estimator in (full, pooled):
+            estimator.update(step, asked=asked)
+            estimator.relax(np.array([0, 3]), 1, 0.05)
+    for d in (0, 1):
+        assert np.allclose(pooled.rate(d), full.rate(d)) and np.allclose(pooled.coverage(d), full.coverage(d))
+        assert np.array_equal(pooled.observed, full.observed)
+        assert np.allclose(pooled.position_rates(d), np.repeat(full.rate(d)[:, None], 5, axis=1))
+    assert not np.allclose(full.position_rates(0), pooled.position_rates(0))  # the full one differs by position
+
+
 def test_censored_step_records_no_rejection():
     """EOS inside the draft: emitted == accepted, so the unaccepted tail was never judged."""
     est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=4, prior=0.5)

@@ -120,3 +120,24 @@ def test_the_table_from_measurements_is_the_measured_argmax():
     for b in (1, 4):
         throughput = {s: b * expected[s] / seconds[f"{b},{s}"] for s in (0, 2, 4)}
         assert policy.table[b] == max(throughput, key=throughput.get)
+
+
+def test_measured_rounds_at_batch_1_cover_every_prompt():
+    """At batch size 1 the profile decodes every prompt (one call each), not the first one only:
+    its tau is that of all the prompts together."""
+    import torch
+
+    from specdec import generate
+    from specdec.drafters import ModelDrafter
+    from specdec.policies import FixedPolicy
+    from specdec.policies.batch_adaptive import measure_round_times
+    from tests.tiny import make_model, perturbed_copy, random_prompts
+
+    target = make_model("llama", dtype=torch.float32)
+    drafter = ModelDrafter(perturbed_copy(target, 0.3))
+    prompts = random_prompts(5, target.config.vocab_size, seed=8)
+    expected, seconds = measure_round_times(target, drafter, prompts, batch_sizes=(1,), draft_lengths=(3,), max_new_tokens=10)
+    whole = generate(target, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=10).stats
+    single = generate(target, prompts[:1], drafter=drafter, policy=FixedPolicy(3), max_new_tokens=10).stats
+    assert expected[3] == pytest.approx(whole.tau) and single.tau != pytest.approx(whole.tau)
+    assert set(seconds) == {(1, 3)} and seconds[(1, 3)] > 0

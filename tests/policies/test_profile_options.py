@@ -153,10 +153,10 @@ def test_goodput_calibration_probes_again_now_and_then_but_mostly_decodes_plainl
     probing, never = drafting_steps(64), drafting_steps(0)
     assert max(never) < 5  # the first steps only
     late = [i for i in probing if i >= 5]
-    # a probe is two drafting steps: the first carries the drafter's catch-up and is not
-    # measured, the second is, and switches speculation off again
+    # a probe is four drafting steps: the first carries the drafter's catch-up and is not
+    # measured, the next three give the median of three samples, which switches speculation off
     probes = [i for i in late if i - 1 not in late]
-    assert all(i + 1 in late and i + 2 not in late for i in probes)
+    assert all(all(i + j in late for j in (1, 2, 3)) and i + 4 not in late for i in probes)
     assert 4 <= len(probes) <= 400 // 64 + 1  # it comes back, once per 64 plain steps at most
     assert all(b - a >= 64 for a, b in zip(probes, probes[1:]))
 
@@ -206,8 +206,8 @@ def test_goodput_calibration_ignores_the_first_drafting_step():
 def test_goodput_calibration_ignores_the_catch_up_step_after_a_pause():
     """After speculation was off for a while, the first step back also feeds the drafter every
     token it missed (slow); calibrating on it would switch speculation off again for good. Here
-    drafting is measured slow once, so the policy stops; when it tries again after 64 idle steps
-    the catch-up step is ignored, and the accurate steps after it keep it drafting."""
+    drafting is measured slow three times, so the policy stops; when it tries again after 64 idle
+    steps the catch-up step is ignored, and the accurate steps after it keep it drafting."""
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
     batch = BatchState([np.arange(10)] * 4, 1000, np.arange(4), np.zeros(0, dtype=np.int64))
     policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
@@ -215,8 +215,8 @@ def test_goodput_calibration_ignores_the_catch_up_step_after_a_pause():
 
     def measured(asked):
         drafting = int(asked.max())
-        if state["step"] == 1:
-            seconds = 1.0 + 2.0 * drafting  # one slow measurement: speculation goes off
+        if state["step"] in (1, 2, 3):
+            seconds = 1.0 + 2.0 * drafting  # three slow measurements: speculation goes off
         elif drafting and not state["previous"]:
             seconds = 50.0  # catch-up on the missed tokens
         else:
@@ -226,8 +226,19 @@ def test_goodput_calibration_ignores_the_catch_up_step_after_a_pause():
         return seconds
 
     plans = _run_calibrated(policy, batch, 120, measured)
-    assert plans[2].max() == 0  # off after the slow step
+    assert plans[3].max() == 4 and plans[4].max() == 0  # off after the third slow step
     assert all(p.max() == 4 for p in plans[-20:])  # back on, and staying on
+
+
+def test_goodput_calibration_is_not_moved_by_one_slow_step():
+    """A single step slowed down by something else (a garbage collection) neither switches
+    speculation off nor shortens drafts: the calibration is a median of recent steps."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
+    times = iter([1.2] * 5 + [50.0] + [1.2] * 10)
+    plans = _run_calibrated(policy, batch, 12, lambda asked: next(times))
+    assert all(p.max() == 4 for p in plans) and policy.calibration.extra_scale[4] == pytest.approx(1.0)
 
 
 def test_goodput_revisits_a_row_switched_off_by_rejections():
