@@ -8,14 +8,15 @@ each generate() call from what earlier requests taught (``warm_start`` pseudo-pu
 the population's mean reward); ``scope="batch"`` keeps one bandit for the whole batch that picks one
 drafter per step (a "time slot", as in the paper) and keeps learning across calls.
 
-Reward of a row in a step: tokens it emitted / seconds attributed to it. Attribution (our choice;
-the paper's full text was not available): the verify pass is one read of the target's weights
-shared by every row, so measured verify time is split equally over the step's active rows; a
-drafter's measured time is split over the rows it drafted for in proportion to the tokens they
-asked for (``StepRecord.drafter_time_s``). With a ``CostModel`` the times are predicted instead of
-measured (no timing noise): fixed and per-pass terms are split equally, per-row, per-token and
-per-KV-token terms go to the row that caused them. The batch-level reward is all emitted tokens
-over the step's draft + verify time. Rewards are normalised by the largest reward seen so far.
+Reward of a row in a step (request scope): tokens it emitted / seconds attributed to it.
+Attribution (our choice; the paper's full text was not available): the verify pass is one read of
+the target's weights shared by every row, so measured verify time is split equally over the step's
+active rows; a drafter's measured time is split over the rows it drafted for in proportion to the
+tokens they asked for (``StepRecord.drafter_time_s``). With a ``CostModel`` the times are predicted
+instead of measured (no timing noise): fixed and per-pass terms are split equally, per-row,
+per-token and per-KV-token terms go to the row that caused them. The batch-level reward is all
+emitted tokens over the step's draft + verify time. Rewards are normalised by the largest reward
+seen so far.
 
 Strategies (``BanditState``, vectorised over independent bandits):
 - "ucb": UCB1 (Auer et al. 2002): untried arms first, then argmax mean + c * sqrt(ln t / n),
@@ -27,11 +28,32 @@ Strategies (``BanditState``, vectorised over independent bandits):
   Delta stops being a candidate after O(c^2 ln t / Delta^2) pulls and the number of epochs grows
   as log t, so the pseudo-regret grows as O(sum ln T / Delta) (SPIN's Theorem 1 states O(log T)).
 
+``scope="joint"`` (specdec's extension of SPIN) keeps one bandit per request like "request", but
+chooses every row's arm in one decision per step, because a drafter's pass costs about the same
+whether it drafts for one row or for all of them (one pass of a small model per draft token): with
+rows free to pick, request scope ends up running every drafter every step. A row's reward is the
+tokens it emitted in a step (in [0, k + 1], k = ``num_draft_tokens``; warm started from the
+population as in request scope); its optimistic estimate for drafter d is
+u[r, d] = mean + c * (k + 1) * sqrt(ln t_r / n_rd) (k + 1 for an arm never tried, nor known from
+the population). Time enters only through the step: T_verify and T_d, each drafter's pass, are
+exponential moving averages (0.85 old, 0.15 new) of measured times (T_d over the steps in which
+drafter d drafted for some row; 0, optimistic, until first measured), or a ``CostModel``'s
+predictions for this step's rows (T_d as if the drafter drafted for every drafting row; the
+verify pass's keys are sum(L_r + k_r), as in ``CostModel.step_time``). Each step takes the subset S
+of drafters, among all non-empty ones, that maximises the predicted goodput
+sum_r max_{d in S} u[r, d] / (T_verify + sum_{d in S} T_d) (ties: the smaller subset, then
+lower indices); each row drafts with its best drafter in S. The subsets are enumerated, so joint
+scope takes at most 6 drafters, and it plays UCB only.
+
 Invariant: the policy changes only which drafter proposes; the acceptance rule keeps the
-output the target's own whatever the choice. Cost: O(B x D) numpy work per step.
+output the target's own whatever the choice. Cost: O(B x D) numpy work per step (joint scope:
+O(2^D x B x D)).
 """
 
 from __future__ import annotations
+
+import functools
+import itertools
 
 import numpy as np
 
@@ -41,7 +63,9 @@ from .base import Policy
 from .cost_model import CostModel
 
 STRATEGIES = ("ucb", "epoch")
-SCOPES = ("request", "batch")
+SCOPES = ("request", "batch", "joint")
+MAX_JOINT_DRAFTERS = 6  # joint scope enumerates the 2^D - 1 subsets of drafters
+MIN_STEP_S = 1e-9  # predicted step times are floored here (nothing measured yet: all times 0)
 
 
 class BanditState:
@@ -71,11 +95,21 @@ class BanditState:
     def pulls(self) -> np.ndarray:
         return self.counts.sum(axis=1)
 
+    def raw_means(self) -> np.ndarray:
+        """[N, A] mean reward in the rewards' own unit (0 for untried arms)."""
+        return self.sums / np.maximum(self.counts, 1)
+
     def means(self) -> np.ndarray:
         """[N, A] mean reward divided by the bandit's best arm mean (0 for untried arms)."""
-        raw = self.sums / np.maximum(self.counts, 1)
+        raw = self.raw_means()
         scale = raw.max(axis=1, keepdims=True)
         return raw / np.where(scale > 0, scale, 1.0)
+
+    def upper_bounds(self, reward_range: float) -> np.ndarray:
+        """[N, A] raw mean + reward_range * c * sqrt(ln t / n) for rewards in [0, reward_range];
+        an untried arm gets reward_range, the most it could pay."""
+        bounds = self.raw_means() + reward_range * self._radius()
+        return np.where(self.counts == 0, reward_range, bounds)
 
     def _radius(self) -> np.ndarray:
         log_t = np.log(np.maximum(self.pulls, 2))[:, None]  # [N, 1]
@@ -151,24 +185,87 @@ def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
     return times
 
 
+class StepTimeAverages:
+    """Joint scope's measured step times: exponential moving averages (``decay`` old, 1 - decay
+    new) of the verify pass and of each drafter's pass over the steps it drafted in; a time never
+    measured stays 0."""
+
+    def __init__(self, num_drafters: int, decay: float = 0.85):
+        self.decay = decay
+        self.verify_s = 0.0
+        self.drafter_s = np.zeros(num_drafters)  # [D]
+        self._verify_measured = False
+        self._drafter_measured = np.zeros(num_drafters, dtype=bool)  # [D]
+
+    @property
+    def num_drafters(self) -> int:
+        return len(self.drafter_s)
+
+    def _blend(self, old, new, measured):
+        return np.where(measured, self.decay * old + (1.0 - self.decay) * new, new)
+
+    def update(self, verify_s: float, drafter_s: np.ndarray, drafted: np.ndarray) -> None:
+        """One step: verify time, [D] each drafter's time, [D] whether it drafted for a row."""
+        if verify_s > 0:
+            self.verify_s = float(self._blend(self.verify_s, verify_s, self._verify_measured))
+            self._verify_measured = True
+        ran = drafted & (drafter_s > 0)  # [D]
+        self.drafter_s[ran] = self._blend(self.drafter_s[ran], drafter_s[ran], self._drafter_measured[ran])
+        self._drafter_measured |= ran
+
+
+@functools.cache
+def drafter_subsets(num_drafters: int) -> np.ndarray:
+    """[S, D] every non-empty subset of the drafters as a mask, S = 2^D - 1: smaller subsets
+    first, subsets of one size in lexicographic order of their indices."""
+    drafters = range(num_drafters)
+    masks = np.array([np.isin(drafters, chosen) for size in range(1, num_drafters + 1)
+                      for chosen in itertools.combinations(drafters, size)])
+    masks.flags.writeable = False
+    return masks
+
+
+def choose_joint(upper: np.ndarray, verify_s: float, drafter_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Joint scope's choice. upper: [A, D] each drafting row's optimistic tokens per step with
+    each drafter; verify_s: the verify pass's seconds; drafter_s: [D] each drafter's pass.
+    Returns ([D] mask of the subset S of drafters with the largest predicted goodput
+    sum_r max_{d in S} upper[r, d] / (verify_s + sum_{d in S} drafter_s[d]), the first such
+    subset in ``drafter_subsets`` order; [A] each row's best drafter in S, the lowest index on ties)."""
+    upper = np.asarray(upper, dtype=np.float64)
+    subsets = drafter_subsets(upper.shape[1])  # [S, D]
+    within = np.where(subsets[:, None, :], upper[None, :, :], -np.inf)  # [S, A, D]
+    tokens = within.max(axis=2).sum(axis=1)  # [S]
+    seconds = np.maximum(verify_s + subsets @ np.asarray(drafter_s, dtype=np.float64), MIN_STEP_S)  # [S]
+    best = int(np.argmax(tokens / seconds))
+    return subsets[best].copy(), within[best].argmax(axis=1)
+
+
 class BanditPolicy(Policy):
     def __init__(self, num_draft_tokens: int = 4, strategy: str = "ucb", scope: str = "request",
-                 cost_model: CostModel | None = None, exploration: float = 1.0, epoch_length: int = 8,
+                 cost_model: CostModel | None = None, exploration: float | None = None, epoch_length: int = 8,
                  max_explore_fraction: float = 0.5, warm_start: int = 2):
-        """num_draft_tokens: every row's draft length; strategy: "ucb" or "epoch"; scope:
-        "request" (one bandit per row) or "batch" (one drafter for the whole batch per step);
-        cost_model: attribute predicted rather than measured times (optional); warm_start
-        (request scope): a new request's bandit starts from what every earlier request taught,
-        as up to this many pseudo-pulls per arm at the population's mean reward (0: each
-        request explores every arm from scratch, which eats a short request's life)."""
+        """num_draft_tokens: every row's draft length; strategy: "ucb" or "epoch" ("ucb" only for
+        joint scope); scope: "request" (one bandit per row), "batch" (one drafter for the whole
+        batch per step) or "joint" (one bandit per row, the rows' drafters chosen together so
+        that the drafters a step runs pay for themselves; at most 6 drafters); cost_model:
+        predicted rather than measured times (optional); exploration: c in the confidence radius
+        (default 1.0 for request and batch scope, whose rewards are normalised by the best arm;
+        0.2 for joint scope, whose radius is c * (k + 1) * sqrt(ln t / n) in tokens per step);
+        warm_start (request and joint scope): a new request's bandit starts from what every
+        earlier request taught, as up to this many pseudo-pulls per arm at the population's mean
+        reward (0: each request explores every arm from scratch, which eats a short request's life)."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
             raise ValueError(f"BanditPolicy's num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        if scope == "joint" and strategy != "ucb":
+            raise ValueError(f"scope='joint' chooses drafters by upper confidence bounds: strategy must be 'ucb', got {strategy!r}")
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+        if exploration is None:
+            exploration = 0.2 if scope == "joint" else 1.0
         self.num_draft_tokens = int(num_draft_tokens)
         self.strategy, self.scope, self.cost_model = strategy, scope, cost_model
         self._options = {"strategy": strategy, "exploration": exploration, "epoch_length": epoch_length,
@@ -178,7 +275,8 @@ class BanditPolicy(Policy):
         if isinstance(warm_start, bool) or not isinstance(warm_start, (int, np.integer)) or warm_start < 0:
             raise ValueError(f"warm_start must be an integer >= 0, got {warm_start!r}")
         self.warm_start = int(warm_start)
-        self.population: BanditState | None = None  # request scope: every request's rewards, across calls
+        self.population: BanditState | None = None  # request and joint scope: every request's rewards, across calls
+        self.step_times: StepTimeAverages | None = None  # joint scope, measured times: kept across calls
 
     @property
     def max_draft_tokens(self) -> int:
@@ -190,18 +288,46 @@ class BanditPolicy(Policy):
         if self.cost_model is not None and self.cost_model.num_drafters < num_drafters:
             raise ValueError(f"{self!r}: the cost model times {self.cost_model.num_drafters} drafter(s), "
                              f"generate() was given {num_drafters}")
-        num_bandits = batch.num_rows if self.scope == "request" else 1
+        if self.scope == "joint" and num_drafters > MAX_JOINT_DRAFTERS:
+            raise ValueError(f"{self!r}: joint scope enumerates every subset of the drafters and supports at most "
+                             f"{MAX_JOINT_DRAFTERS} drafters, generate() was given {num_drafters}")
+        per_row = self.scope != "batch"
         fresh = self.bandits is None or self.bandits.num_arms != num_drafters
-        if fresh or (self.scope == "request" and batch is not self._batch):
-            self.bandits = BanditState(num_bandits, num_drafters, **self._options)
-            if self.scope == "request":
+        if fresh or (per_row and batch is not self._batch):
+            self.bandits = BanditState(batch.num_rows if per_row else 1, num_drafters, **self._options)
+            if per_row:
                 self._seed_from_population(num_drafters)
+        if self.scope == "joint" and (self.step_times is None or self.step_times.num_drafters != num_drafters):
+            self.step_times = StepTimeAverages(num_drafters)
         self._batch = batch
-        arms = self.bandits.choose()
-        self._arms = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)
         self._asked = np.minimum(self.num_draft_tokens, np.maximum(batch.remaining - 1, 0))
         self._lengths = batch.lengths.copy()
+        arms = self._choose_jointly(batch) if self.scope == "joint" else self.bandits.choose()
+        self._arms = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)
         return Plan(drafter_index=self._arms.copy(), num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens, dtype=np.int64))
+
+    def _choose_jointly(self, batch) -> np.ndarray:
+        """[B] joint scope's drafter per row (0 for rows that draft nothing)."""
+        active = batch.active_rows()  # [A']
+        drafting = active[self._asked[active] > 0]  # [A]
+        arms = np.zeros(batch.num_rows, dtype=np.int64)
+        if len(drafting):
+            upper = self.bandits.upper_bounds(self.num_draft_tokens + 1)[drafting]  # [A, D]
+            _, arms[drafting] = choose_joint(upper, *self._predicted_times(active, drafting))
+        return arms
+
+    def _predicted_times(self, active: np.ndarray, drafting: np.ndarray) -> tuple[float, np.ndarray]:
+        """Joint scope: the verify pass's seconds and [D] each drafter's, measured averages or the
+        cost model's predictions (each drafter as if it drafted for every drafting row)."""
+        if self.cost_model is None:
+            return self.step_times.verify_s, self.step_times.drafter_s
+        asked, lengths = self._asked[active], self._lengths[active]  # [A']
+        verify_s = float(self.cost_model.target_time((asked + 1).sum(), (lengths + asked).sum(), len(active)))
+        asked, lengths = self._asked[drafting], self._lengths[drafting]  # [A]
+        drafter_s = np.array([float(self.cost_model.drafter_time(d, len(drafting), asked.max(), asked.sum(),
+                                                                 (asked * lengths).sum(), lengths.sum()))
+                              for d in range(self.bandits.num_arms)])  # [D]
+        return verify_s, drafter_s
 
     def _seed_from_population(self, num_drafters: int) -> None:
         if self.population is None or self.population.num_arms != num_drafters:
@@ -217,18 +343,36 @@ class BanditPolicy(Policy):
         rows = np.asarray(record.rows, dtype=np.int64)
         if self.bandits is None or len(rows) == 0:
             return
-        seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)  # [A]
         emitted = np.asarray(record.num_emitted, dtype=np.float64)[rows]
+        if self.scope == "joint":
+            self._observe_rows(rows, emitted)
+            self._observe_times(record, rows)
+            return
+        seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)  # [A]
         if self.scope == "request":
             with np.errstate(divide="ignore", invalid="ignore"):
-                rewards = np.where(seconds > 0, emitted / seconds, np.nan)
-            drafted = self._asked[rows] > 0  # a row capped to 0 tokens did not try its arm this step
-            self.bandits.update(rows[drafted], self._arms[rows[drafted]], rewards[drafted])
-            self.population.update(np.zeros(int(drafted.sum()), dtype=np.int64), self._arms[rows[drafted]],
-                                   rewards[drafted])
+                self._observe_rows(rows, np.where(seconds > 0, emitted / seconds, np.nan))
         else:
             total = seconds.sum()
             self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [emitted.sum() / total if total > 0 else np.nan])
+
+    def _observe_rows(self, rows: np.ndarray, rewards: np.ndarray) -> None:
+        """Each row's bandit and the population learn the row's reward ([A], for ``rows``)."""
+        drafted = self._asked[rows] > 0  # a row capped to 0 tokens did not try its arm this step
+        self.bandits.update(rows[drafted], self._arms[rows[drafted]], rewards[drafted])
+        self.population.update(np.zeros(int(drafted.sum()), dtype=np.int64), self._arms[rows[drafted]],
+                               rewards[drafted])
+
+    def _observe_times(self, record: StepRecord, rows: np.ndarray) -> None:
+        """Joint scope: the step's measured verify time and each drafter's (without per-drafter
+        times, the draft time split equally over the drafters that drafted)."""
+        drafting = rows[self._asked[rows] > 0]
+        drafted = np.isin(np.arange(self.bandits.num_arms), self._arms[drafting])  # [D]
+        if record.drafter_time_s is not None:
+            drafter_s = np.asarray(record.drafter_time_s, dtype=np.float64)
+        else:
+            drafter_s = np.where(drafted, record.draft_time_s / max(int(drafted.sum()), 1), 0.0)
+        self.step_times.update(float(record.verify_time_s), drafter_s, drafted)
 
     def __repr__(self) -> str:
         return f"BanditPolicy(num_draft_tokens={self.num_draft_tokens}, strategy={self.strategy!r}, scope={self.scope!r})"

@@ -1,5 +1,5 @@
 """Exactness with the adaptive policies: generate() with BanditPolicy (UCB and epoch, per request
-and per batch), GoodputPolicy (exact, greedy and uniform searches) and BatchAdaptivePolicy gives
+and per batch; UCB, per request chosen jointly), GoodputPolicy (exact, greedy and uniform searches) and BatchAdaptivePolicy gives
 the target's own greedy output (float64 on the CPU, against Hugging Face generate), while the
 policies really switch mid-generation: rows change drafter, rows drop to draft length 0 when
 speculation stops paying, the draft length follows the number of active rows. The switches are
@@ -101,8 +101,10 @@ def two_drafters():
     return [ModelDrafter(good_drafter_model()), PromptLookupDrafter(min_ngram=1, max_ngram=3)]
 
 
-@pytest.mark.parametrize("strategy", ["ucb", "epoch"])
-@pytest.mark.parametrize("scope", ["request", "batch"])
+BANDIT_VARIANTS = [(strategy, scope) for scope in ("request", "batch") for strategy in ("ucb", "epoch")] + [("ucb", "joint")]
+
+
+@pytest.mark.parametrize(("strategy", "scope"), BANDIT_VARIANTS)
 def test_bandit_is_exact_and_switches_drafters(strategy, scope):
     prompts, eos = prompts_and_eos(5, seed=3)
     out, recording = run(BanditPolicy(num_draft_tokens=3, strategy=strategy, scope=scope), two_drafters(), prompts, eos)
@@ -116,10 +118,11 @@ def test_bandit_is_exact_and_switches_drafters(strategy, scope):
     assert all(r.drafter_time_s is not None and len(r.drafter_time_s) == 2 for r in recording.records)
 
 
-def test_bandit_with_a_cost_model_is_exact():
+@pytest.mark.parametrize("scope", ["request", "joint"])
+def test_bandit_with_a_cost_model_is_exact(scope):
     model = CostModel.from_coefficients(c_fixed=1e-2, c_tok=1e-4, drafters=[{"steps": 2e-3}, {"fixed": 1e-4}])
     prompts, eos = prompts_and_eos(4, seed=9)
-    _, recording = run(BanditPolicy(num_draft_tokens=4, cost_model=model), two_drafters(), prompts, eos)
+    _, recording = run(BanditPolicy(num_draft_tokens=4, scope=scope, cost_model=model), two_drafters(), prompts, eos)
     assert {int(d) for r in recording.records for d in r.drafter_index[r.rows]} == {0, 1}
 
 
