@@ -1,5 +1,6 @@
 """``python -m specdec bench --policies``: the adaptive policies (GoodputPolicy per-row and
-uniform, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, and per batch)
+uniform, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch, and
+joint)
 against every fixed (drafter, length) pair and plain decoding, on copy-heavy, continuation and
 mixed workloads (``specdec.workloads``), at several batch sizes, in one process.
 
@@ -104,7 +105,7 @@ class PolicyBenchSettings:
 class Method:
     name: str
     family: str  # "plain", "fixed", "goodput", "batch_adaptive", "bandit"
-    variant: str  # "", "per-row", "uniform", "ucb", "epoch", "batch-level"
+    variant: str  # "", "per-row", "uniform", "ucb", "epoch", "batch-level", "joint"
     drafters: tuple[str, ...]  # given to generate(), in this order
     length: int  # fixed: k; goodput / batch_adaptive: the longest draft; bandit: k
     make: Callable[[str], Policy] = field(repr=False)  # workload name -> a fresh policy
@@ -113,7 +114,8 @@ class Method:
 class Tally(Policy):
     """Passes everything to ``inner`` and counts, by request kind, row-steps, drafted tokens and
     which drafter proposed (a few bincounts per step), and the host time the inner policy takes
-    (``policy_s``: its plan and observe calls)."""
+    (``policy_s``: its plan and observe calls); ``trace`` keeps, per step, the active rows, the
+    longest and the mean draft, the drafters used and the step's wall time in ms."""
 
     def __init__(self, inner: Policy, kinds: np.ndarray, num_drafters: int):
         self.inner, self.kinds, self.num_drafters = inner, kinds, max(num_drafters, 1)
@@ -121,6 +123,7 @@ class Tally(Policy):
         self.row_steps = np.zeros(len(KINDS))
         self.drafted_tokens = np.zeros(len(KINDS))
         self.drafting = np.zeros((len(KINDS), self.num_drafters))  # row-steps that drafted > 0, by drafter
+        self.trace: list[list] = []
 
     @property
     def max_draft_tokens(self) -> int:
@@ -140,6 +143,9 @@ class Tally(Policy):
         self.row_steps += np.bincount(kinds, minlength=len(KINDS))
         self.drafted_tokens += np.bincount(kinds, weights=drafted, minlength=len(KINDS))
         on = drafted > 0
+        self.trace.append([len(rows), int(drafted.max(initial=0)), round(float(drafted.mean()) if len(rows) else 0.0, 2),
+                           len(np.unique(record.drafter_index[rows][on])),
+                           round(1e3 * (record.step_time_s or 0.0), 3)])
         if on.any():
             cell = kinds[on] * self.num_drafters + record.drafter_index[rows][on]
             self.drafting += np.bincount(cell, minlength=len(KINDS) * self.num_drafters).reshape(len(KINDS), -1)
@@ -208,7 +214,7 @@ def methods(settings: PolicyBenchSettings, names: list[str], policy_drafter: str
                         lambda w: BatchAdaptivePolicy(tables[w])))
     kb = settings.bandit_length
     for variant, strategy, scope in (("ucb", "ucb", "request"), ("epoch", "epoch", "request"),
-                                     ("batch-level", "epoch", "batch")):
+                                     ("batch-level", "epoch", "batch"), ("joint", "ucb", "joint")):
         found.append(Method(f"BanditPolicy {variant} ({len(names)} drafters, k={kb})", "bandit", variant, tuple(names), kb,
                             lambda w, s=strategy, sc=scope: BanditPolicy(kb, strategy=s, scope=sc, cost_model=bandit_model)))
     return found
@@ -460,6 +466,8 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
                                       if by_kind_steps[k] > 0},
         "drafter_use": use,  # per kind: fraction of row-steps in which each drafter proposed
         "pass_seconds": timings,
+        # per step of the median pass's first call: [active rows, longest draft, mean draft, drafters used, ms]
+        **({"trace": tallies[0].trace} if method.family != "fixed" else {}),
         "policy_ms_per_step": 1e3 * sum(t.policy_s for t in tallies) / max(sum(t.steps for t in tallies), 1),
         **({"calibration": {"base_scale": {str(b): v for b, v in sorted(calibration.base_scale.items())},
                             "extra_scale": {str(b): v for b, v in sorted(calibration.extra_scale.items())}}}
@@ -485,7 +493,7 @@ def progress_line(row: dict, rows: list[dict], number: int, total: int, elapsed:
 
 def estimate(settings: PolicyBenchSettings, num_drafters: int) -> str:
     """What the run will do, in runs and generate() calls (a plan, not a measurement)."""
-    num_methods = 1 + num_drafters * len(set(settings.lengths) | {settings.bandit_length}) + 6
+    num_methods = 1 + num_drafters * len(set(settings.lengths) | {settings.bandit_length}) + 7
     calls = sum(math.ceil((settings.batch1_prompts if b == 1 else max(b, settings.num_prompts)) / b)
                 for b in settings.batch_sizes)
     runs = num_methods * len(settings.workloads) * len(settings.batch_sizes)
@@ -568,7 +576,7 @@ def policy_targets(result: dict) -> list[dict]:
     for w in workloads:
         add("BatchAdaptivePolicy within 5% of the best fixed length in hindsight at every batch size",
             "batch_adaptive", "", w, best_fixed, WITHIN_BEST_FIXED)
-    for variant in ("ucb", "epoch", "batch-level"):
+    for variant in ("ucb", "epoch", "batch-level", "joint"):
         for w in workloads:
             mixed = w == "mixed"
             add(f"BanditPolicy {variant} " + ("beats the best single drafter by >= 10% tokens/s" if mixed

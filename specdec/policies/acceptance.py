@@ -222,17 +222,40 @@ class AcceptanceEstimator:
         self._slot[rows, drafter] = (slot + 1) % self.window
         self._filled[rows, drafter] = np.minimum(self._filled[rows, drafter] + 1, self.window)
 
+    def update_counts(self, counts: "StepCounts", drafter_index: int) -> None:
+        """Learn from several steps at once (EMA mode, pooled rate only): for each row, the
+        steps' pooled counts enter as one observation of weight 1 - 0.85^n, n the steps that
+        observed it, the same weight n per-step updates would give a constant observation; with
+        one step in ``counts`` this is exactly ``update``. Relaxation of the rows' idle steps
+        (``relax`` with ``revisit``) is the caller's, as after ``update``."""
+        if self.mode != "ema" or self.positions:
+            raise ValueError("update_counts needs the EMA estimator without per-position rates (positions=False)")
+        d = int(drafter_index)
+        observed = counts.trial_steps > 0  # [B]
+        weight = self.old_weight ** counts.trial_steps  # [B] what the old estimate keeps
+        step_rate = counts.successes / np.maximum(counts.trials, 1)
+        self._rate[:, d] = np.where(observed, weight * self._rate[:, d] + (1.0 - weight) * step_rate, self._rate[:, d])
+        asked = counts.asked_steps > 0
+        weight = self.old_weight ** counts.asked_steps
+        proposed = counts.proposed_steps / np.maximum(counts.asked_steps, 1)
+        self._coverage[:, d] = np.where(asked, weight * self._coverage[:, d] + (1.0 - weight) * proposed, self._coverage[:, d])
+        self.observed[:, d] += counts.trial_steps
+
     # --- forgetting ----------------------------------------------------------------------
-    def relax(self, rows: np.ndarray, drafter_index: int, weight: float) -> None:
+    def relax(self, rows: np.ndarray, drafter_index: int, weight: float | np.ndarray) -> None:
         """Move the estimates of ``rows`` for one drafter ``weight`` of the way back to the prior
         (a row that has stopped drafting gets no new evidence; without this, a run of rejections
         would keep it from drafting for good). EMA: a convex step towards the prior (coverage
-        towards 1); window: the oldest max(1, round(weight * window)) entries it holds are
+        towards 1), ``weight`` one number or one per row (n steps of weight w compose to one of
+        1 - (1 - w)^n); window: the oldest max(1, round(weight * window)) entries it holds are
         forgotten (a window not yet full holds fewer than ``window``), so an emptied window reads
         the prior."""
         rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) == 0 or weight <= 0:
+        weight = np.asarray(weight, dtype=np.float64)
+        if len(rows) == 0 or np.all(weight <= 0):
             return
+        if self.mode == "window" and weight.ndim:
+            raise ValueError("the window estimator relaxes every row by one weight")
         d = int(drafter_index)
         prior = self.prior[d]
         if self.mode == "ema":
@@ -241,7 +264,7 @@ class AcceptanceEstimator:
             self._rate[rows, d] += weight * (prior - self._rate[rows, d])
             self._coverage[rows, d] += weight * (1.0 - self._coverage[rows, d])
             return
-        count = min(max(1, round(weight * self.window)), self.window)
+        count = min(max(1, round(float(weight) * self.window)), self.window)
         forget = np.minimum(self._filled[rows, d], count)  # [A] entries each row forgets
         first = self._slot[rows, d] - self._filled[rows, d]  # [A] its oldest entry's slot (mod W)
         which = np.arange(count)[None, :] < forget[:, None]  # [A, count]
@@ -250,3 +273,41 @@ class AcceptanceEstimator:
         for table in (self._successes, self._trials, self._asked, self._proposed):
             table[held_rows, d, slots] = 0.0
         self._filled[rows, d] -= forget
+
+
+class StepCounts:
+    """Per-row counts of the steps since the last ``clear`` (GoodputPolicy between decisions):
+    accepted draft tokens (successes), judged draft tokens (trials: successes, plus one if a
+    token was rejected), steps with a trial, steps asked to draft, steps in which the drafter
+    proposed when asked, and steps not asked to draft. A step costs a few [B] numpy additions."""
+
+    def __init__(self, num_rows: int):
+        self.successes = np.zeros(num_rows)  # [B]
+        self.trials = np.zeros(num_rows)  # [B]
+        self.trial_steps = np.zeros(num_rows, dtype=np.int64)  # [B]
+        self.asked_steps = np.zeros(num_rows, dtype=np.int64)  # [B]
+        self.proposed_steps = np.zeros(num_rows, dtype=np.int64)  # [B]
+        self.idle_steps = np.zeros(num_rows, dtype=np.int64)  # [B] steps the row took part in without being asked
+        self.steps = 0
+
+    def add(self, record: StepRecord, asked: np.ndarray) -> None:
+        """One step; asked: [B] the lengths the policy planned (after budget caps). The same
+        counting rules as AcceptanceEstimator.update (a step cut short is censored)."""
+        rows = np.asarray(record.rows, dtype=np.int64)
+        drafted = np.asarray(record.num_drafted, dtype=np.int64)[rows]
+        accepted = np.minimum(np.asarray(record.num_accepted, dtype=np.int64)[rows], drafted)
+        rejected = (accepted < drafted) & (np.asarray(record.num_emitted, dtype=np.int64)[rows] > accepted)
+        trials = accepted + rejected  # [A]
+        was_asked = np.asarray(asked)[rows] > 0  # [A]
+        self.successes[rows] += accepted
+        self.trials[rows] += trials
+        self.trial_steps[rows] += trials > 0
+        self.asked_steps[rows] += was_asked
+        self.proposed_steps[rows] += was_asked & (drafted > 0)
+        self.idle_steps[rows] += ~was_asked
+        self.steps += 1
+
+    def clear(self) -> None:
+        for counts in (self.successes, self.trials, self.trial_steps, self.asked_steps, self.proposed_steps, self.idle_steps):
+            counts[:] = 0
+        self.steps = 0

@@ -11,10 +11,10 @@ acceptance rate) and T(b, s) = s * T_draft(b) + T_target(b, s + 1) the round tim
     s*(b) = argmax_s b * l(s) / T(b, s)      (ties: the shorter draft).
 
 ``build_table`` computes this for every b; each step the policy looks up the number of active
-rows: the entry of the largest tabulated batch size not above it (the smallest entry when it is
-below them all). With a CostModel, T(b, s) is the model's drafter time for b rows drafting s
-tokens plus its verify time for b rows of s + 1 tokens at a stated context length (the paper's
-known gap: the table ignores how context length moves the optimum).
+rows: the entry of the nearest tabulated batch size on a log scale. With a CostModel, T(b, s)
+is the model's drafter time for b rows drafting s tokens plus its verify time for b rows of
+s + 1 tokens at a stated context length (the paper's known gap: the table ignores how context
+length moves the optimum).
 
 Invariant: the policy changes only how many tokens are drafted; output is the target's own.
 Cost: a dictionary lookup per step; the table costs |batch sizes| x |lengths| predictions.
@@ -74,10 +74,13 @@ def build_table(batch_sizes: Sequence[int], expected_tokens: Mapping[int, float]
 
 
 def lookup(table: Mapping[int, int], num_rows: int) -> int:
-    """The entry of the largest batch size <= num_rows (the smallest batch size's below them all)."""
-    sizes = sorted(table)
-    below = [b for b in sizes if b <= num_rows]
-    return int(table[below[-1] if below else sizes[0]])
+    """The entry of the tabulated batch size nearest to num_rows on a log scale (ties: the larger
+    batch size; fewer than one row: the smallest batch size's), so 60 active rows of a batch of
+    64 use the entry measured at 64, not the one at 16."""
+    sizes = np.array(sorted(table), dtype=np.float64)
+    distance = np.abs(np.log2(sizes) - np.log2(max(int(num_rows), 1)))  # [S]
+    nearest = len(sizes) - 1 - int(np.argmin(distance[::-1]))  # the last minimum: the larger size on ties
+    return int(table[int(sizes[nearest])])
 
 
 def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[int], max_new_tokens: int = 32,

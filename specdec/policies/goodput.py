@@ -51,7 +51,7 @@ import numpy as np
 
 from ..stats import StepRecord
 from ..types import Plan
-from .acceptance import AcceptanceEstimator, marginal_gains
+from .acceptance import AcceptanceEstimator, StepCounts, marginal_gains
 from .base import Policy
 from .cost_model import CostModel
 
@@ -116,13 +116,22 @@ def goodput_of(gains: np.ndarray, k: np.ndarray, step_time: LinearStepTime) -> f
     return _numerator(gains, np.asarray(k, dtype=np.int64)) / float(step_time(np.asarray(k)))
 
 
-def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12) -> np.ndarray:
+def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12,
+                 start: np.ndarray | None = None) -> np.ndarray:
     """argmax_k G(k) with 0 <= k_i <= caps_i: Dinkelbach per depth (module docstring), every
     depth iterated at once ([depths, rows, lengths] arrays: a handful of numpy calls per
-    iteration, not per depth). gains: [A, K] non-increasing along K; caps: [A]."""
+    iteration, not per depth). gains: [A, K] non-increasing along K; caps: [A]; start: [A] a
+    choice to begin from (the last decision's): every depth's iteration starts at the best of its
+    goodput and plain decoding's, a lower bound of the optimum, so a good start saves iterations
+    (a depth whose optimum lies below it stops at once, and cannot be the argmax)."""
     num_rows, max_k = gains.shape
     best_k = np.zeros(num_rows, dtype=np.int64)
     best = goodput_of(gains, best_k, step_time)
+    if start is not None:
+        start = np.minimum(np.asarray(start, dtype=np.int64), np.minimum(caps, max_k))
+        started = goodput_of(gains, start, step_time)
+        if started > best:
+            best, best_k = started, start
     max_depth = min(max_k, int(caps.max(initial=0)))
     if max_depth < 1:
         return best_k
@@ -196,16 +205,17 @@ SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": s
 
 
 def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, search: str = "exact",
-                   min_gain: float = 0.10) -> tuple[np.ndarray, float, float]:
+                   min_gain: float = 0.10, start: np.ndarray | None = None) -> tuple[np.ndarray, float, float]:
     """Draft lengths [A] by ``search``, or all zeros unless they beat plain decoding by
-    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding."""
+    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding.
+    start: [A] the exact search's starting choice (search_exact)."""
     gains = np.asarray(gains, dtype=np.float64)
     caps = np.minimum(np.asarray(caps, dtype=np.int64), gains.shape[1])
     zeros = np.zeros(len(caps), dtype=np.int64)
     plain = goodput_of(gains, zeros, step_time)
     if len(caps) == 0 or caps.max() <= 0:
         return zeros, plain, plain
-    k = SEARCH_FUNCTIONS[search](gains, caps, step_time)
+    k = search_exact(gains, caps, step_time, start=start) if search == "exact" else SEARCH_FUNCTIONS[search](gains, caps, step_time)
     chosen = goodput_of(gains, k, step_time)
     if chosen < (1.0 + min_gain) * plain:
         return zeros, plain, plain
@@ -329,12 +339,15 @@ class GoodputPolicy(Policy):
         self.min_gain, self.decide_every, self.per_position = float(min_gain), int(decide_every), per_position
         self.revisit, self.reprobe_after = float(revisit), int(reprobe_after)
         self._estimator_options = {"prior": prior, "mode": estimator, "window": window, "positions": per_position}
+        # the EMA of pooled rates learns from each interval's counts at the decision: a few
+        # numpy additions per step (StepCounts); the other estimators learn step by step
+        self._pooled = estimator == "ema" and not per_position
         self.estimator: AcceptanceEstimator | None = None
         self._batch = None
         self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s
         self.calibration = StepTimeCalibration() if calibrate else None  # kept across generate() calls
-        self._calibration_step = None  # (uncalibrated step time, active rows) of the planned step
-        self._step_time_cache = None  # (active rows, LinearStepTime)
+        self._decision = None  # (uncalibrated step time of the active rows, their decided lengths [A])
+        self._catching_up = False
 
     @property
     def max_draft_tokens(self) -> int:
@@ -349,32 +362,44 @@ class GoodputPolicy(Policy):
             # the step each row last drafted: a model drafter's step also feeds it every token it
             # missed since (the whole prompt the first time), so such steps are not calibrated on
             self._last_drafted = np.full(batch.num_rows, -(1 << 40), dtype=np.int64)
-            self._step_time_cache = None
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
+            self._counts = StepCounts(batch.num_rows) if self._pooled else None
+            self._decision = None
         caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
-        active = batch.active_rows()
-        deciding = self._steps % self.decide_every == 0
-        # the cost model over the active rows: built at each decision and reused for calibration
-        # between decisions while the active rows stay the same (their lengths grow by a few
-        # tokens, which moves the prediction by a fraction of a percent), to keep host time low
-        step_time = None
-        if len(active) and (deciding or self.calibration is not None):
-            cached = self._step_time_cache
-            if not deciding and cached is not None and np.array_equal(cached[0], active):
-                step_time = cached[1]
-            else:
-                step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index)
-                self._step_time_cache = (active, step_time)
-        if deciding:
+        if self._steps % self.decide_every == 0:
+            self._learn()
+            active = batch.active_rows()
+            step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index) \
+                if len(active) else None
             self._lengths = self._decide(active, caps, step_time)
+            # the interval's calibration compares its measured steps with this prediction
+            self._decision = (step_time, np.minimum(self._lengths, caps)[active]) if step_time is not None else None
+            self._timed = [0.0, 0, 0.0, 0]  # seconds and steps measured: drafting, then plain
         self._steps += 1
         self._asked = np.minimum(self._lengths, caps)
         asked = self._asked > 0
-        catching_up = np.any(asked & (self._steps - self._last_drafted > CATCH_UP_STEPS))
+        self._catching_up = bool(np.any(asked & (self._steps - self._last_drafted > CATCH_UP_STEPS)))
         self._last_drafted[asked] = self._steps
-        self._calibration_step = (step_time, active) if step_time is not None and not catching_up else None
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
                     num_draft_tokens=self._asked.copy())
+
+    def _learn(self) -> None:
+        """At a decision: what the steps since the last one taught (pooled estimator: their
+        counts at once; calibration: their mean measured time, drafting and plain apart)."""
+        if self._pooled and self._counts.steps:
+            counts = self._counts
+            self.estimator.update_counts(counts, self.drafter_index)
+            if self.revisit > 0:
+                idle = np.flatnonzero(counts.idle_steps)
+                self.estimator.relax(idle, self.drafter_index, 1.0 - (1.0 - self.revisit) ** counts.idle_steps[idle])
+            counts.clear()
+        if self.calibration is not None and self._decision is not None:
+            step_time, decided = self._decision
+            drafting_s, drafting_steps, plain_s, plain_steps = self._timed
+            if plain_steps:
+                self.calibration.observe(step_time, np.zeros_like(decided), plain_s / plain_steps)
+            if drafting_steps and decided.any():
+                self.calibration.observe(step_time, decided, drafting_s / drafting_steps)
 
     def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None) -> np.ndarray:
         lengths = np.zeros(len(caps), dtype=np.int64)
@@ -389,22 +414,27 @@ class GoodputPolicy(Policy):
         if self.calibration is not None:
             step_time = self.calibration.apply(step_time, len(active))
         chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
-            gains, caps[active], step_time, self.search, self.min_gain)
+            gains, caps[active], step_time, self.search, self.min_gain, start=self._lengths[active])
         lengths[active] = chosen
         return lengths
 
     def observe(self, record: StepRecord) -> None:
-        measured = getattr(record, "step_time_s", None)
-        if self.calibration is not None and measured and self._calibration_step is not None:
-            step_time, active = self._calibration_step
-            self.calibration.observe(step_time, self._asked[active], measured)
-            if self.reprobe_after and not self._asked.any():
-                self.calibration.idle(len(active), self.reprobe_after)
         if self.estimator is None:
+            return
+        drafting = bool(self._asked.any())
+        measured = getattr(record, "step_time_s", None)
+        if self.calibration is not None and measured and self._decision is not None and not self._catching_up:
+            slot = 0 if drafting else 2
+            self._timed[slot] += measured
+            self._timed[slot + 1] += 1
+            if self.reprobe_after and not drafting:
+                self.calibration.idle(len(self._decision[1]), self.reprobe_after)
+        if self._pooled:
+            self._counts.add(record, self._asked)
             return
         # a step in which no row was asked to draft teaches the estimator nothing (no trial, no
         # coverage change): skip the update, so plain decoding chosen by the policy stays cheap
-        if self._asked.any():
+        if drafting:
             self.estimator.update(record, asked=self._asked)
         if self.revisit > 0:
             idle = np.flatnonzero(self._asked == 0)

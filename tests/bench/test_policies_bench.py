@@ -39,11 +39,16 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     # every fixed pair: prompt lookup and one model drafter at k in {2, 4}; three bandits; two goodputs
     fixed = {(r["drafters"][0], r["length"]) for r in rows if r["family"] == "fixed"}
     assert fixed == {(d, k) for d in result["drafters"] for k in (2, 4)} and len(result["drafters"]) == 2
-    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level"}
+    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level", "joint"}
     assert {r["variant"] for r in rows if r["family"] == "goodput"} == {"per-row", "uniform"}
     assert sum(1 for r in rows if r["family"] == "fixed") == 4 * 3 * 2
     # two timed passes per run, tokens/s from their median; both passes' outputs checked
     assert all(len(r["pass_seconds"]) == 2 and r["passes_agree"] and r["policy_ms_per_step"] > 0 for r in rows)
+    # every adaptive run traces its steps: [active rows, longest draft, mean draft, drafters used, ms]
+    traced = [r for r in rows if r["family"] != "fixed"]
+    assert traced and all(r["trace"] and all(len(t) == 5 and t[0] >= 1 and t[4] > 0 for t in r["trace"]) for r in traced)
+    assert all(t[1] == 0 for t in rows[0]["trace"])  # plain decoding drafts nothing
+    assert all(max(t[3] for t in r["trace"]) >= 1 for r in traced if r["family"] == "bandit")  # bandits draft
     goodput = [r for r in rows if r["family"] == "goodput"]
     assert all(set(r["calibration"]) == {"base_scale", "extra_scale"} for r in goodput)
     assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / max(r["pass_seconds"])) for r in rows)  # the slower middle
@@ -60,7 +65,7 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert saved.as_dict() == model.as_dict()
     assert set(result["tau_profile"]) == {"mixed", "copy", "continuation"}
     assert {t["policy"] for t in result["targets"]} == {"goodput", "batch_adaptive", "bandit"}
-    assert len(result["targets"]) == 2 * 2 * 3 + 3 + 3 * 3
+    assert len(result["targets"]) == 2 * 2 * 3 + 3 + 4 * 3
     report = quick_run.with_suffix(".md").read_text()
     assert "## Targets" in report and "| target | workload | worst ratio |" in report
     for suffix in ("", "_fixed"):
@@ -75,8 +80,8 @@ def test_a_time_limit_skips_the_remaining_runs_and_still_reports(tiny_zoo_root, 
     assert main(argv) == 0
     [path] = [p for p in tmp_path.glob("policies_*.json") if p.name.count(".") == 1]
     result = json.loads(path.read_text())
-    assert result["rows"] == [] and len(result["skipped"]) == 1 + 2 + 6
-    assert "Skipped after the time limit: 9 runs" in path.with_suffix(".md").read_text()
+    assert result["rows"] == [] and len(result["skipped"]) == 1 + 2 + 7
+    assert "Skipped after the time limit: 10 runs" in path.with_suffix(".md").read_text()
 
 
 def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_path):

@@ -85,8 +85,9 @@ def test_round_time_is_the_papers_formula():
     assert round_time(4, 0) == pytest.approx(1.0 + 0.1 * 4 + 0.001 * 4 * 100)
 
 
-@pytest.mark.parametrize("num_rows,expected", [(1, 5), (2, 5), (3, 5), (4, 3), (7, 3), (8, 1), (100, 0), (0, 5)])
-def test_lookup_takes_the_floor_entry(num_rows, expected):
+@pytest.mark.parametrize("num_rows,expected", [(1, 5), (2, 5), (3, 3), (4, 3), (5, 3), (7, 1), (8, 1), (22, 1),
+                                               (23, 0), (60, 0), (100, 0), (0, 5)])
+def test_lookup_takes_the_nearest_entry_on_a_log_scale(num_rows, expected):
     table = {2: 5, 4: 3, 8: 1, 64: 0}
     assert lookup(table, num_rows) == expected
 
