@@ -95,6 +95,39 @@ def test_pooled_only_estimator_matches_the_full_one():
     assert not np.allclose(full.position_rates(0), pooled.position_rates(0))  # the full one differs by position
 
 
+def test_counts_of_one_step_learn_exactly_what_the_step_update_learns():
+    """StepCounts + update_counts, one step at a time, equals update step by step; several steps
+    that each observe the same thing equal as many step updates (weight 1 - 0.85^n)."""
+    from specdec.policies.acceptance import StepCounts
+
+    generator = np.random.default_rng(5)
+    by_step = AcceptanceEstimator(num_rows=5, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
+    by_counts = AcceptanceEstimator(num_rows=5, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
+    counts = StepCounts(5)
+    for _ in range(30):
+        asked = generator.integers(0, 5, size=5)
+        drafted = np.where(generator.random(5) < 0.8, asked, 0)
+        accepted = np.array([generator.integers(0, d + 1) for d in drafted])
+        emitted = np.where(generator.random(5) < 0.1, accepted, accepted + 1)
+        step = record(drafted, accepted, emitted, rows=np.flatnonzero(generator.random(5) < 0.9))
+        by_step.update(step, asked=asked)
+        counts.add(step, asked)
+        by_counts.update_counts(counts, 0)
+        counts.clear()
+        assert np.allclose(by_counts.rate(0), by_step.rate(0)) and np.allclose(by_counts.coverage(0), by_step.coverage(0))
+    same, counts = record(drafted=[4, 2], accepted=[1, 2]), StepCounts(2)
+    for _ in range(3):
+        counts.add(same, np.array([4, 2]))
+    steps = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
+    at_once = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
+    for _ in range(3):
+        steps.update(same, asked=np.array([4, 2]))
+    at_once.update_counts(counts, 0)
+    assert np.allclose(at_once.rate(0), steps.rate(0)) and not np.allclose(at_once.rate(0), 0.6)
+    with pytest.raises(ValueError, match="positions=False"):
+        AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=4).update_counts(counts, 0)
+
+
 def test_censored_step_records_no_rejection():
     """EOS inside the draft: emitted == accepted, so the unaccepted tail was never judged."""
     est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=4, prior=0.5)
