@@ -90,7 +90,7 @@ class PolicyBenchSettings:
     max_draft_tokens: int = 8  # GoodputPolicy's and BatchAdaptivePolicy's longest draft
     bandit_length: int = 4  # BanditPolicy's draft length (added to ``lengths`` if missing)
     policy_drafter: str | None = None  # GoodputPolicy's and BatchAdaptivePolicy's; None: the first model drafter
-    goodput_decide_every: int = 8  # steps between GoodputPolicy's decisions
+    goodput_decide_every: int = 16  # steps between GoodputPolicy's decisions
     bandit_times: str = "measured"  # "measured" (CUDA events) or "model" (the cost model's predictions)
     profile_grid: str = "default"  # "default" or "tiny"
     profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile

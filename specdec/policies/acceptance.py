@@ -293,19 +293,27 @@ class StepCounts:
     def add(self, record: StepRecord, asked: np.ndarray) -> None:
         """One step; asked: [B] the lengths the policy planned (after budget caps). The same
         counting rules as AcceptanceEstimator.update (a step cut short is censored)."""
-        rows = np.asarray(record.rows, dtype=np.int64)
-        drafted = np.asarray(record.num_drafted, dtype=np.int64)[rows]
-        accepted = np.minimum(np.asarray(record.num_accepted, dtype=np.int64)[rows], drafted)
-        rejected = (accepted < drafted) & (np.asarray(record.num_emitted, dtype=np.int64)[rows] > accepted)
-        trials = accepted + rejected  # [A]
-        was_asked = np.asarray(asked)[rows] > 0  # [A]
-        self.successes[rows] += accepted
-        self.trials[rows] += trials
-        self.trial_steps[rows] += trials > 0
-        self.asked_steps[rows] += was_asked
-        self.proposed_steps[rows] += was_asked & (drafted > 0)
-        self.idle_steps[rows] += ~was_asked
-        self.steps += 1
+        self.add_steps([record], asked)
+
+    def add_steps(self, records: list[StepRecord], asked: np.ndarray) -> None:
+        """Several steps planned with the same lengths ``asked`` [B], at once ([n, B] arrays).
+        A row that took no part in a step (finished) counts nothing for it."""
+        taking_part = np.zeros((len(records), len(self.successes)), dtype=bool)  # [n, B]
+        for i, record in enumerate(records):
+            taking_part[i, record.rows] = True
+        drafted = np.where(taking_part, np.stack([r.num_drafted for r in records]), 0)  # [n, B]
+        accepted = np.where(taking_part, np.minimum(np.stack([r.num_accepted for r in records]), drafted), 0)
+        emitted = np.stack([r.num_emitted for r in records])  # [n, B]
+        rejected = (accepted < drafted) & (emitted > accepted)  # a real rejection, not a cut-short step
+        trials = accepted + rejected  # [n, B]
+        was_asked = taking_part & (np.asarray(asked)[None, :] > 0)  # [n, B]
+        self.successes += accepted.sum(axis=0)
+        self.trials += trials.sum(axis=0)
+        self.trial_steps += (trials > 0).sum(axis=0)
+        self.asked_steps += was_asked.sum(axis=0)
+        self.proposed_steps += (was_asked & (drafted > 0)).sum(axis=0)
+        self.idle_steps += (taking_part & ~was_asked).sum(axis=0)
+        self.steps += len(records)
 
     def clear(self) -> None:
         for counts in (self.successes, self.trials, self.trial_steps, self.asked_steps, self.proposed_steps, self.idle_steps):

@@ -22,6 +22,8 @@ Cost: a dictionary lookup per step; the table costs |batch sizes| x |lengths| pr
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -77,10 +79,10 @@ def lookup(table: Mapping[int, int], num_rows: int) -> int:
     """The entry of the tabulated batch size nearest to num_rows on a log scale (ties: the larger
     batch size; fewer than one row: the smallest batch size's), so 60 active rows of a batch of
     64 use the entry measured at 64, not the one at 16."""
-    sizes = np.array(sorted(table), dtype=np.float64)
-    distance = np.abs(np.log2(sizes) - np.log2(max(int(num_rows), 1)))  # [S]
-    nearest = len(sizes) - 1 - int(np.argmin(distance[::-1]))  # the last minimum: the larger size on ties
-    return int(table[int(sizes[nearest])])
+    sizes = sorted(table)
+    # between neighbours b < b', the nearest on a log scale switches at their geometric mean
+    switch = [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:])]
+    return int(table[sizes[bisect.bisect_right(switch, max(int(num_rows), 1))]])
 
 
 def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[int], max_new_tokens: int = 32,
@@ -147,6 +149,8 @@ class BatchAdaptivePolicy(Policy):
             raise ValueError(f"drafter_index must be >= 0, got {drafter_index!r}")
         self.table = {int(b): int(s) for b, s in table.items()}
         self.drafter_index = int(drafter_index)
+        self._sizes = sorted(self.table)
+        self._switch = [math.sqrt(a * b) for a, b in zip(self._sizes, self._sizes[1:])]  # as lookup()
         self.profile: dict | None = None  # what from_measurements measured
 
     @classmethod
@@ -181,7 +185,8 @@ class BatchAdaptivePolicy(Policy):
         return max(self.table.values())
 
     def plan(self, batch, num_drafters):
-        length = lookup(self.table, len(batch.active_rows()))
+        active = batch.num_rows - int(np.count_nonzero(batch.finished))
+        length = self.table[self._sizes[bisect.bisect_right(self._switch, max(active, 1))]]  # lookup(), precomputed
         if length > 0 and self.drafter_index >= num_drafters:
             raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),

@@ -189,16 +189,16 @@ def search_greedy(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime
 
 
 def search_uniform(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12) -> np.ndarray:
-    """The best single k for every row (capped per row), enumerated."""
+    """The best single k for every row (capped per row), every k evaluated at once ([K + 1, A])."""
     num_rows, max_k = gains.shape
-    best_k = np.zeros(num_rows, dtype=np.int64)
-    best = goodput_of(gains, best_k, step_time)
-    for length in range(1, max_k + 1):
-        k = np.minimum(caps, length).astype(np.int64)
-        value = goodput_of(gains, k, step_time)
-        if value > best * (1 + tolerance):
-            best, best_k = value, k
-    return best_k
+    cumulative = np.concatenate([np.zeros((num_rows, 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
+    k = np.minimum(caps[None, :], np.arange(max_k + 1)[:, None]).astype(np.int64)  # [K+1, A]
+    goodput = (num_rows + cumulative[np.arange(num_rows)[None, :], k].sum(axis=1)) / step_time(k)  # [K+1]
+    best = 0
+    for length in range(1, max_k + 1):  # the shortest of the best: a longer k must beat it by the tolerance
+        if goodput[length] > goodput[best] * (1 + tolerance):
+            best = length
+    return k[best].copy()
 
 
 SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": search_uniform}
@@ -271,14 +271,14 @@ class StepTimeCalibration:
             middle = len(ordered) // 2
             scales[bucket] = ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
 
-    def idle(self, num_rows: int, forget_after: int) -> None:
-        """Count a step that did not draft; after ``forget_after`` of them in a row, forget this
-        bucket's drafting samples, so the next decision uses the model again and, if it drafts,
-        measures afresh: measurements cannot rule speculation out for good."""
+    def idle(self, num_rows: int, forget_after: int, steps: int = 1) -> None:
+        """Count ``steps`` steps that did not draft; after ``forget_after`` of them in a row,
+        forget this bucket's drafting samples, so the next decision uses the model again and, if
+        it drafts, measures afresh: measurements cannot rule speculation out for good."""
         bucket = row_bucket(num_rows)
         if bucket not in self._extra_samples:
             return
-        self._idle[bucket] = self._idle.get(bucket, 0) + 1
+        self._idle[bucket] = self._idle.get(bucket, 0) + steps
         if self._idle[bucket] >= forget_after:
             del self._extra_samples[bucket]
             self.extra_scale.pop(bucket, None)
@@ -339,67 +339,92 @@ class GoodputPolicy(Policy):
         self.min_gain, self.decide_every, self.per_position = float(min_gain), int(decide_every), per_position
         self.revisit, self.reprobe_after = float(revisit), int(reprobe_after)
         self._estimator_options = {"prior": prior, "mode": estimator, "window": window, "positions": per_position}
-        # the EMA of pooled rates learns from each interval's counts at the decision: a few
-        # numpy additions per step (StepCounts); the other estimators learn step by step
+        # the EMA of pooled rates learns from each interval's counts at once (StepCounts); the
+        # other estimators replay the interval's steps one by one
         self._pooled = estimator == "ema" and not per_position
         self.estimator: AcceptanceEstimator | None = None
         self._batch = None
         self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s
         self.calibration = StepTimeCalibration() if calibrate else None  # kept across generate() calls
         self._decision = None  # (uncalibrated step time of the active rows, their decided lengths [A])
-        self._catching_up = False
+        self._records: list[StepRecord] = []  # the steps since the last decision
 
     @property
     def max_draft_tokens(self) -> int:
         return self._max_draft_tokens
 
     def plan(self, batch, num_drafters):
-        if self.drafter_index >= num_drafters:
-            raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
         if batch is not self._batch:
+            if self.drafter_index >= num_drafters:
+                raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
             self._batch, self._steps = batch, 0
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
             # the step each row last drafted: a model drafter's step also feeds it every token it
             # missed since (the whole prompt the first time), so such steps are not calibrated on
             self._last_drafted = np.full(batch.num_rows, -(1 << 40), dtype=np.int64)
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
-            self._counts = StepCounts(batch.num_rows) if self._pooled else None
-            self._decision = None
-        caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
+            self._decision, self._records = None, []
         if self._steps % self.decide_every == 0:
             self._learn()
-            active = batch.active_rows()
-            step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index) \
-                if len(active) else None
-            self._lengths = self._decide(active, caps, step_time)
-            # the interval's calibration compares its measured steps with this prediction
-            self._decision = (step_time, np.minimum(self._lengths, caps)[active]) if step_time is not None else None
-            self._timed = [0.0, 0, 0.0, 0]  # seconds and steps measured: drafting, then plain
+            self._plan = self._decide_interval(batch)
         self._steps += 1
-        self._asked = np.minimum(self._lengths, caps)
+        return self._plan  # the same object until the next decision (generate() caps a copy per step)
+
+    def _decide_interval(self, batch) -> Plan:
+        """A decision: lengths for the active rows, kept (capped by each row's budget, which
+        generate() applies each step) until the next one; the steps in between cost nothing."""
+        caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
+        active = batch.active_rows()
+        step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index) \
+            if len(active) else None
+        self._lengths = self._decide(active, caps, step_time)
+        self._asked = np.minimum(self._lengths, caps)  # [B] this interval's lengths
         asked = self._asked > 0
+        # a row switched on after more than CATCH_UP_STEPS idle steps makes the interval's first
+        # step a catch-up (not calibrated on); the rows asked draft in every step of the interval
         self._catching_up = bool(np.any(asked & (self._steps - self._last_drafted > CATCH_UP_STEPS)))
-        self._last_drafted[asked] = self._steps
+        self._last_drafted[asked] = self._steps + self.decide_every - 1
+        # the interval's calibration compares its measured steps with this prediction
+        self._decision = (step_time, self._asked[active]) if step_time is not None else None
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
                     num_draft_tokens=self._asked.copy())
 
     def _learn(self) -> None:
-        """At a decision: what the steps since the last one taught (pooled estimator: their
-        counts at once; calibration: their mean measured time, drafting and plain apart)."""
-        if self._pooled and self._counts.steps:
-            counts = self._counts
+        """At a decision: what the steps since the last one taught (the estimator: their counts
+        at once, or step by step for the window and per-position estimators; the calibration:
+        their mean measured time, drafting and plain steps apart)."""
+        records, self._records = self._records, []
+        if not records:
+            return
+        if self._pooled:
+            counts = StepCounts(len(self._asked))
+            counts.add_steps(records, self._asked)
             self.estimator.update_counts(counts, self.drafter_index)
             if self.revisit > 0:
                 idle = np.flatnonzero(counts.idle_steps)
                 self.estimator.relax(idle, self.drafter_index, 1.0 - (1.0 - self.revisit) ** counts.idle_steps[idle])
-            counts.clear()
+        else:
+            idle = np.flatnonzero(self._asked == 0)
+            for record in records:
+                if self._asked.any():  # a step no row was asked to draft in teaches nothing
+                    self.estimator.update(record, asked=self._asked)
+                if self.revisit > 0 and len(idle):
+                    self.estimator.relax(idle, self.drafter_index, self.revisit)
         if self.calibration is not None and self._decision is not None:
-            step_time, decided = self._decision
-            drafting_s, drafting_steps, plain_s, plain_steps = self._timed
-            if plain_steps:
-                self.calibration.observe(step_time, np.zeros_like(decided), plain_s / plain_steps)
-            if drafting_steps and decided.any():
-                self.calibration.observe(step_time, decided, drafting_s / drafting_steps)
+            self._calibrate(records)
+
+    def _calibrate(self, records: list[StepRecord]) -> None:
+        step_time, decided = self._decision
+        measured = [(bool(r.num_drafted.any()), r.step_time_s) for r in records[int(self._catching_up):]
+                    if getattr(r, "step_time_s", None)]
+        plain = [seconds for drafted, seconds in measured if not drafted]
+        drafting = [seconds for drafted, seconds in measured if drafted]
+        if plain:
+            self.calibration.observe(step_time, np.zeros_like(decided), sum(plain) / len(plain))
+            if self.reprobe_after:
+                self.calibration.idle(len(decided), self.reprobe_after, steps=len(plain))
+        if drafting and decided.any():
+            self.calibration.observe(step_time, decided, sum(drafting) / len(drafting))
 
     def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None) -> np.ndarray:
         lengths = np.zeros(len(caps), dtype=np.int64)
@@ -419,27 +444,8 @@ class GoodputPolicy(Policy):
         return lengths
 
     def observe(self, record: StepRecord) -> None:
-        if self.estimator is None:
-            return
-        drafting = bool(self._asked.any())
-        measured = getattr(record, "step_time_s", None)
-        if self.calibration is not None and measured and self._decision is not None and not self._catching_up:
-            slot = 0 if drafting else 2
-            self._timed[slot] += measured
-            self._timed[slot + 1] += 1
-            if self.reprobe_after and not drafting:
-                self.calibration.idle(len(self._decision[1]), self.reprobe_after)
-        if self._pooled:
-            self._counts.add(record, self._asked)
-            return
-        # a step in which no row was asked to draft teaches the estimator nothing (no trial, no
-        # coverage change): skip the update, so plain decoding chosen by the policy stays cheap
-        if drafting:
-            self.estimator.update(record, asked=self._asked)
-        if self.revisit > 0:
-            idle = np.flatnonzero(self._asked == 0)
-            if len(idle):
-                self.estimator.relax(idle, self.drafter_index, self.revisit)
+        if self.estimator is not None:
+            self._records.append(record)  # learnt from at the next decision (_learn)
 
     def __repr__(self) -> str:
         return (f"GoodputPolicy(max_draft_tokens={self.max_draft_tokens}, search={self.search!r}, "

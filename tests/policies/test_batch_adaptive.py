@@ -10,6 +10,8 @@ import itertools
 import numpy as np
 import pytest
 
+from specdec.batch import BatchState
+
 from specdec.policies.acceptance import expected_emitted
 from specdec.policies.batch_adaptive import (
     BatchAdaptivePolicy,
@@ -90,6 +92,12 @@ def test_round_time_is_the_papers_formula():
 def test_lookup_takes_the_nearest_entry_on_a_log_scale(num_rows, expected):
     table = {2: 5, 4: 3, 8: 1, 64: 0}
     assert lookup(table, num_rows) == expected
+    # the policy's precomputed lookup agrees, and a tie on the log scale goes to the larger size
+    batch = BatchState([np.arange(3)] * max(num_rows, 1), 8, np.arange(max(num_rows, 1)), np.zeros(0, dtype=np.int64))
+    if num_rows == 0:
+        batch.finished[:] = True
+    assert BatchAdaptivePolicy(table).plan(batch, 1).num_draft_tokens[0] == expected
+    assert lookup({16: 6, 64: 4}, 32) == 4 and lookup({16: 6, 64: 4}, 31) == 6
 
 
 def test_bad_tables():
