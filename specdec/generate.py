@@ -129,6 +129,7 @@ def generate(
                 verify_time_s=times.get("verify", 0.0),
                 cost=cost,
                 drafter_time_s=np.array([times.get(f"drafter {i}", 0.0) for i in range(len(drafters))]),
+                drafter_wall_s=np.array([timer.host_seconds.get(f"drafter {i}", 0.0) for i in range(len(drafters))]),
                 step_time_s=time.perf_counter() - step_started,
             )
             recorder.record(record, time.perf_counter() - started, batch.finished)

@@ -47,6 +47,7 @@ class StepRecord:
     cost: VerifyCost
     drafter_time_s: np.ndarray | None = None  # [D] draft time of each drafter given to generate()
     step_time_s: float | None = None  # host wall time of the whole step, from the policy's plan to the commit
+    drafter_wall_s: np.ndarray | None = None  # [D] host-clock time of each drafter's propose (its share of step_time_s)
 
 
 @dataclass

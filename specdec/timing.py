@@ -1,5 +1,7 @@
 """Phase timers: CUDA events on a GPU (read after the step's one synchronisation, so timing
-adds none), the host clock on CPU."""
+adds none), the host clock on CPU; the host clock's reading of each phase is kept too
+(``host_seconds``), since a phase that works on the host (prompt lookup) leaves no trace on the
+GPU's clock."""
 
 from __future__ import annotations
 
@@ -13,18 +15,21 @@ class PhaseTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._pending: list[tuple[str, object, object]] = []
+        self._host: dict[str, float] = {}
+        self.host_seconds: dict[str, float] = {}  # host-clock seconds per phase, as of the last collect
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        host_start = time.perf_counter()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
         else:
-            start = time.perf_counter()
             yield
-            end = time.perf_counter()
+            start, end = host_start, time.perf_counter()
+        self._host[name] = self._host.get(name, 0.0) + time.perf_counter() - host_start
         self._pending.append((name, start, end))
 
     def collect(self) -> dict[str, float]:
@@ -34,4 +39,5 @@ class PhaseTimer:
             seconds = start.elapsed_time(end) / 1000.0 if self.cuda else end - start
             totals[name] = totals.get(name, 0.0) + seconds
         self._pending.clear()
+        self.host_seconds, self._host = self._host, {}
         return totals

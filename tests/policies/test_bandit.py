@@ -326,3 +326,32 @@ def test_bad_joint_options():
     with pytest.raises(ValueError, match="at most 6 drafters"):
         policy.plan(endless_batch(2), num_drafters=7)
     assert policy.plan(endless_batch(2), num_drafters=6).drafter_index.shape == (2,)
+
+
+def test_joint_scope_charges_a_host_side_drafter_its_host_time():
+    """Prompt lookup works on the host: its GPU time reads 0 while its host-clock time is what
+    the step pays. With drafter 1 at 0 GPU seconds but 1.0 host seconds a pass (drafter 0: 0.05
+    both), tokens 3.0 vs 3.3 per step and a 1.2 s step around them, the joint policy learns
+    drafter 1's true cost and drafts with drafter 0; reading GPU time only, drafter 1 looks free
+    and wins."""
+    def run(with_wall: bool) -> np.ndarray:
+        rng = np.random.default_rng(0)
+        policy = BanditPolicy(JOINT_K, scope="joint")
+        batch = endless_batch(8)
+        accept = (np.array([3.0, 3.3]) - 1.0) / JOINT_K
+        played = []
+        for _ in range(200):
+            arms = policy.plan(batch, 2).drafter_index
+            emitted = 1 + rng.binomial(JOINT_K, accept[arms])
+            ran = np.isin([0, 1], arms)
+            record = make_record(drafted=np.full(8, JOINT_K), emitted=emitted, drafter=arms, draft_s=0.0,
+                                 verify_s=1.0, drafter_s=np.where(ran, [0.05, 0.0], 0.0))
+            if with_wall:
+                record.drafter_wall_s = np.where(ran, [0.05, 1.0], 0.0)
+                record.step_time_s = 1.2 + record.drafter_wall_s.sum()
+            policy.observe(record)
+            played.append(arms.copy())
+        return np.array(played[-50:])
+
+    assert (run(with_wall=True) == 0).mean() > 0.9
+    assert (run(with_wall=False) == 1).mean() > 0.9

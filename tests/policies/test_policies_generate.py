@@ -116,6 +116,11 @@ def test_bandit_is_exact_and_switches_drafters(strategy, scope):
         assert all(len(set(r.drafter_index[r.rows].tolist())) == 1 for r in recording.records)
     assert out.stats.accepted > 0
     assert all(r.drafter_time_s is not None and len(r.drafter_time_s) == 2 for r in recording.records)
+    # each drafter's host-clock time: positive in a step it drafted in, within the step's wall time
+    for r in recording.records:
+        ran = np.isin([0, 1], r.drafter_index[r.rows][r.num_drafted[r.rows] > 0])
+        assert r.drafter_wall_s.shape == (2,) and np.all(r.drafter_wall_s[ran] > 0)
+        assert r.drafter_wall_s.sum() < r.step_time_s
 
 
 @pytest.mark.parametrize("scope", ["request", "joint"])
