@@ -68,6 +68,7 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert len(result["targets"]) == 2 * 2 * 3 + 3 + 4 * 3
     report = quick_run.with_suffix(".md").read_text()
     assert "## Targets" in report and "| target | workload | worst ratio |" in report
+    assert "Batch sizes measured, by workload: mixed [1, 8]" in report and "Noise check" in report
     for suffix in ("", "_fixed"):
         assert quick_run.with_name(quick_run.stem + suffix + ".png").stat().st_size > 5000
     assert not list(quick_run.parent.glob("*.partial.json"))
