@@ -11,8 +11,9 @@ drafter per step (a "time slot", as in the paper) and keeps learning across call
 Reward of a row in a step (request scope): tokens it emitted / seconds attributed to it.
 Attribution (our choice; the paper's full text was not available): the verify pass is one read of
 the target's weights shared by every row, so measured verify time is split equally over the step's
-active rows; a drafter's measured time is split over the rows it drafted for in proportion to the
-tokens they asked for (``StepRecord.drafter_time_s``). With a ``CostModel`` the times are predicted
+active rows; a drafter's measured time (the larger of its GPU time ``StepRecord.drafter_time_s``
+and its host-clock time ``drafter_wall_s``: prompt lookup works on the host) is split over the
+rows it drafted for in proportion to the tokens they asked for. With a ``CostModel`` the times are predicted
 instead of measured (no timing noise): fixed and per-pass terms are split equally, per-row,
 per-token and per-KV-token terms go to the row that caused them. The batch-level reward is all
 emitted tokens over the step's draft + verify time. Rewards are normalised by the largest reward
@@ -173,10 +174,13 @@ def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
         if wanted.sum() > 0:
             times += record.draft_time_s * wanted / wanted.sum()
         return times
+    drafter_s = record.drafter_time_s
+    if cost_model is None and getattr(record, "drafter_wall_s", None) is not None:
+        drafter_s = np.maximum(drafter_s, record.drafter_wall_s)  # host-side work (prompt lookup) is invisible to the GPU clock
     for d in np.unique(drafter[wanted > 0]):
         mine = (drafter == d) & (wanted > 0)
         if cost_model is None:
-            times[mine] += record.drafter_time_s[d] * wanted[mine] / wanted[mine].sum()
+            times[mine] += drafter_s[d] * wanted[mine] / wanted[mine].sum()
         else:
             c = dict(zip(cost_model.drafters[d].features, cost_model.drafters[d].coefficients))
             shared = c["fixed"] + c["steps"] * wanted[mine].max()

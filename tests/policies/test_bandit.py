@@ -121,6 +121,11 @@ def test_measured_time_attribution():
     asked = np.array([4, 4, 2, 2])
     times = attributed_times(record, asked, lengths=np.array([10, 10, 10, 10]))
     assert np.allclose(times, [0.1 + 0.4, 0.1 + 0.2, 0.1 + 0.2, 0.1 + 0.1])
+    # a drafter working on the host (GPU time 0.3, host clock 0.9) is charged its host time
+    record.drafter_wall_s = np.array([0.05, 0.9])
+    times = attributed_times(record, asked, lengths=np.array([10, 10, 10, 10]))
+    assert np.allclose(times, [0.1 + 0.4, 0.1 + 0.6, 0.1 + 0.2, 0.1 + 0.3])
+    record.drafter_wall_s = None
     # without per-drafter times, the draft time is one pool split by asked tokens
     record.drafter_time_s = None
     times = attributed_times(record, asked, lengths=np.array([10, 10, 10, 10]))
