@@ -4,9 +4,12 @@
 #   tests     python -m pytest -m cuda (about 2 min)
 #   bench     python -m specdec bench (zoo against Hugging Face + bandwidth floor, about 7 min)
 #   quick     python -m specdec bench --quick (about 4 min)
-#   policies  python -m specdec bench --policies, 32 prompts per workload, median of 3 passes;
-#             $POLICY_ARGS (default --time-limit-s 330) picks batch sizes, time limit and --name;
-#             runs at different batch sizes merge with `bench --policies --merge A.json B.json`
+#   policies  python -m specdec bench --policies, median of 3 interleaved passes per method;
+#             $POLICY_ARGS (default --num-prompts 32 --time-limit-s 330) picks requests, batch
+#             sizes, time limit and --name; runs at different batch sizes merge with
+#             `bench --policies --merge A.json B.json`. On a fresh machine the zoo build takes
+#             3-3.5 minutes and the policy bench's own set-up 1.5-2 more: batch 4 (3 workloads,
+#             16 requests) needs a call of its own on a warm machine, as does batch 1
 #   zoo       only the gpu zoo build (and a short compile of its models), for later calls on the
 #             same machine (it stays warm for about 30 s after a call)
 #   demo      python -m specdec demo --preset gpu --device cuda
@@ -31,7 +34,7 @@ fi
 [[ " $PARTS " =~ " quick " ]] && python3 -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30
 [[ " $PARTS " =~ " zoo " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --quick \
   --workloads mixed --time-limit-s 30 --out /tmp/warm 2>&1 | quiet | tail -3
-[[ " $PARTS " =~ " policies " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --num-prompts 32 \
-  ${POLICY_ARGS:---time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
+[[ " $PARTS " =~ " policies " ]] && python3 -m specdec bench --policies --preset gpu --device cuda \
+  ${POLICY_ARGS:---num-prompts 32 --time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
 [[ " $PARTS " =~ " demo " ]] && python3 -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0
