@@ -327,7 +327,8 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         tables[name], priors[name] = policy.table, rate_from_expected_tokens(expected)
         result["tau_profile"][name] = {"expected_tokens": {str(k): v for k, v in expected.items()},
                                        "acceptance_rate": priors[name], "context_len": context,
-                                       "batch_adaptive_table": {str(b): s for b, s in policy.table.items()}}
+                                       "batch_adaptive_table": {str(b): s for b, s in policy.table.items()},
+                                       "batch_adaptive_profile": policy.profile}
         log(f"tau profile {name}: {', '.join(f'k={k}: {v:.2f}' for k, v in expected.items())}; fitted acceptance "
             f"rate {priors[name]:.3f}; BatchAdaptivePolicy table {policy.table}")
     result["timings"]["tau_profile_s"] = time.perf_counter() - phase
