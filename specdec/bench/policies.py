@@ -233,6 +233,8 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     save = checkpoint or (lambda partial: None)
     if settings.bandit_length < 1 or settings.max_draft_tokens < 1 or min(settings.lengths, default=1) < 1:
         raise ValueError("bandit_length and max_draft_tokens must be >= 1")
+    if settings.repeats < 1:
+        raise ValueError(f"repeats must be >= 1 (timed passes per run), got {settings.repeats}")
     if settings.bandit_times not in ("measured", "model"):
         raise ValueError(f"bandit_times must be 'measured' or 'model', got {settings.bandit_times!r}")
     cuda = settings.device.startswith("cuda")
@@ -358,7 +360,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
             row_sequences = row.pop("sequences")
             row = {"workload": workload_name, "batch": batch, "method": method.name, "family": method.family,
                    "variant": method.variant, "drafters": list(method.drafters), "length": method.length,
-                   "prompts": len(prompts), **row, "runner_rebuilt": rebuilt}
+                   "prompts": len(prompts), **row, "runner_rebuilt": rebuilt}  # rebuilt in this cell (any method)
             row.setdefault("error", "")
             if not row["error"]:
                 if method.family == "plain":
@@ -417,10 +419,11 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
             policy = grid_methods[index].make(workload)
             tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
             gc.collect()
-            gc.disable()
-            _synchronise(settings.device)
             started = time.perf_counter()
             try:
+                gc.disable()
+                _synchronise(settings.device)
+                started = time.perf_counter()
                 outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
                            for chunk, tally in zip(chunks, tallies)]
                 _synchronise(settings.device)

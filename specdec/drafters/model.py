@@ -9,7 +9,9 @@ then runs k - 1 more single-token steps for the asked rows; after the verdict, `
 the prefix that the target accepted. Sampling uses the same processed distribution rules as
 the target (sampling.py) with the drafter's own noise stream, and returns the distributions.
 
-Cost: k forward passes of the small model per step, the first one carrying the catch-up tokens.
+Cost: k forward passes of the small model per step, the first one carrying the catch-up tokens
+(up to MAX_CATCH_UP_PASSES more when the drafter sat out some steps and its graphs take fewer
+tokens per row than it missed).
 """
 
 from __future__ import annotations

@@ -371,8 +371,8 @@ class BanditPolicy(Policy):
         """Joint scope: the step's measured times. A drafter's pass costs the larger of its GPU
         time and its host-clock time (prompt lookup works on the host and leaves no trace on the
         GPU's clock; a model drafter's launches may run ahead of the GPU); the rest of the step
-        (its wall time less the drafters' host time: verification, the commit, the policy) is
-        what every step costs. Without per-drafter times, the draft time is split equally over
+        (its wall time less what the drafters were charged: verification, the commit, the
+        policy) is what every step costs. Without per-drafter times, the draft time is split equally over
         the drafters that drafted; without a wall time, the verify pass's time is used."""
         drafting = rows[self._asked[rows] > 0]
         drafted = np.isin(np.arange(self.bandits.num_arms), self._arms[drafting])  # [D]
@@ -383,10 +383,9 @@ class BanditPolicy(Policy):
         wall = getattr(record, "drafter_wall_s", None)
         base_s = float(record.verify_time_s)
         if wall is not None:
-            wall = np.asarray(wall, dtype=np.float64)
-            drafter_s = np.maximum(drafter_s, wall)
-            if getattr(record, "step_time_s", None):
-                base_s = max(float(record.step_time_s) - float(wall.sum()), 0.0)
+            drafter_s = np.maximum(drafter_s, np.asarray(wall, dtype=np.float64))
+            if getattr(record, "step_time_s", None):  # what is left once each drafter is charged its share
+                base_s = max(float(record.step_time_s) - float(drafter_s[drafter_s > 0].sum()), 0.0)
         self.step_times.update(base_s, drafter_s, drafted)
 
     def __repr__(self) -> str:

@@ -284,20 +284,34 @@ class StepTimeCalibration:
             self.extra_scale.pop(bucket, None)
             self._idle[bucket] = 0
 
+    def measured(self, num_rows: int) -> bool:
+        """Whether the bucket of ``num_rows`` active rows has a drafting correction (MIN_SAMPLES
+        measurements or more since it was last forgotten)."""
+        return row_bucket(num_rows) in self.extra_scale
+
     def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: float) -> None:
         """step_time: the uncalibrated model over the step's A active rows; k: [A] their lengths."""
+        self.observe_many(step_time, k, [measured_s])
+
+    def observe_many(self, step_time: LinearStepTime, k: np.ndarray, measured_s: list[float]) -> None:
+        """Several steps of the same lengths k [A], one sample each (the prediction computed once)."""
         bucket = row_bucket(len(k))
-        if step_time.base <= 0 or measured_s <= 0:
+        if step_time.base <= 0:
             return
         if not np.any(k):
-            self._add(self._base_samples, self.base_scale, bucket, measured_s / step_time.base)
+            for seconds in measured_s:
+                if seconds > 0:
+                    self._add(self._base_samples, self.base_scale, bucket, seconds / step_time.base)
             return
         self._idle[bucket] = 0
         extra = float(step_time.extra(k))
         if extra <= 0:
             return
-        base = self.base_scale.get(bucket, 1.0) * step_time.base
-        self._add(self._extra_samples, self.extra_scale, bucket, float(np.clip((measured_s - base) / extra, *self.EXTRA_CLIP)))
+        for seconds in measured_s:
+            if seconds > 0:
+                base = self.base_scale.get(bucket, 1.0) * step_time.base
+                self._add(self._extra_samples, self.extra_scale, bucket,
+                          float(np.clip((seconds - base) / extra, *self.EXTRA_CLIP)))
 
 
 class GoodputPolicy(Policy):
@@ -347,6 +361,7 @@ class GoodputPolicy(Policy):
         self.predicted_goodput = self.predicted_plain_goodput = float("nan")  # of the last decision, tokens/s
         self.calibration = StepTimeCalibration() if calibrate else None  # kept across generate() calls
         self._decision = None  # (uncalibrated step time of the active rows, their decided lengths [A])
+        self._next_decision = 0  # the step of the next decision
         self._records: list[StepRecord] = []  # the steps since the last decision
 
     @property
@@ -357,14 +372,16 @@ class GoodputPolicy(Policy):
         if batch is not self._batch:
             if self.drafter_index >= num_drafters:
                 raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
-            self._batch, self._steps = batch, 0
+            if self._batch is not None:
+                self._learn()  # the last call's last steps: the calibration is kept across calls
+            self._batch, self._steps, self._next_decision = batch, 0, 0
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
             # the step each row last drafted: a model drafter's step also feeds it every token it
             # missed since (the whole prompt the first time), so such steps are not calibrated on
             self._last_drafted = np.full(batch.num_rows, -(1 << 40), dtype=np.int64)
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
             self._decision, self._records = None, []
-        if self._steps % self.decide_every == 0:
+        if self._steps >= self._next_decision:
             self._learn()
             self._plan = self._decide_interval(batch)
         self._steps += 1
@@ -383,7 +400,14 @@ class GoodputPolicy(Policy):
         # a row switched on after more than CATCH_UP_STEPS idle steps makes the interval's first
         # step a catch-up (not calibrated on); the rows asked draft in every step of the interval
         self._catching_up = bool(np.any(asked & (self._steps - self._last_drafted > CATCH_UP_STEPS)))
-        self._last_drafted[asked] = self._steps + self.decide_every - 1
+        # drafting where the calibration holds too few measurements (a new bucket, or a re-probe
+        # after reprobe_after idle steps): decide again as soon as they exist, not decide_every
+        # steps later, so a probe of speculation that does not pay stays short
+        interval = self.decide_every
+        if asked.any() and self.calibration is not None and not self.calibration.measured(len(active)):
+            interval = min(interval, StepTimeCalibration.MIN_SAMPLES + int(self._catching_up))
+        self._next_decision = self._steps + interval
+        self._last_drafted[asked] = self._steps + interval - 1
         # the interval's calibration compares its measured steps with this prediction
         self._decision = (step_time, self._asked[active]) if step_time is not None else None
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
@@ -414,17 +438,23 @@ class GoodputPolicy(Policy):
             self._calibrate(records)
 
     def _calibrate(self, records: list[StepRecord]) -> None:
+        """One calibration sample per measured step of the interval (but a catch-up first step):
+        a plain one where no drafter ran (none asked, or every asked row capped by its budget),
+        a drafting one otherwise."""
         step_time, decided = self._decision
-        measured = [(bool(r.num_drafted.any()), r.step_time_s) for r in records[int(self._catching_up):]
-                    if getattr(r, "step_time_s", None)]
-        plain = [seconds for drafted, seconds in measured if not drafted]
-        drafting = [seconds for drafted, seconds in measured if drafted]
+        plain, drafting = [], []
+        for record in records[int(self._catching_up):]:
+            if not getattr(record, "step_time_s", None):
+                continue
+            wall = getattr(record, "drafter_wall_s", None)
+            ran = bool(wall.sum() > 0) if wall is not None else bool(record.num_drafted.any())
+            (drafting if ran else plain).append(record.step_time_s)
         if plain:
-            self.calibration.observe(step_time, np.zeros_like(decided), sum(plain) / len(plain))
+            self.calibration.observe_many(step_time, np.zeros_like(decided), plain)
             if self.reprobe_after:
                 self.calibration.idle(len(decided), self.reprobe_after, steps=len(plain))
         if drafting and decided.any():
-            self.calibration.observe(step_time, decided, sum(drafting) / len(drafting))
+            self.calibration.observe_many(step_time, decided, drafting)
 
     def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None) -> np.ndarray:
         lengths = np.zeros(len(caps), dtype=np.int64)

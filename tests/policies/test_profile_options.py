@@ -261,3 +261,34 @@ def test_goodput_revisits_a_row_switched_off_by_rejections():
     assert 0 in with_revisit[:30] and 0 in without[:30]  # switched off by the rejections
     assert without[30:] == [0] * 90
     assert max(with_revisit[30:]) == 4
+
+
+@pytest.mark.parametrize("decide_every", [1, 16])
+def test_goodput_calibration_carries_over_short_calls(decide_every):
+    """Ten generate() calls of 15 steps each, drafting measured 15x dearer than modelled: the
+    calibration (kept across calls) learns it whatever decide_every is, including from each
+    call's last steps before the next call's first decision, and speculation is off by the end."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, decide_every=decide_every)
+    for _ in range(10):
+        batch = BatchState([np.arange(10)] * 4, 2000, np.arange(4), np.zeros(0, dtype=np.int64))
+        plans = _run_calibrated(policy, batch, 15, lambda asked: 1.0 + (3.0 if asked.any() else 0.0))
+    assert policy.calibration.measured(4) and policy.calibration.extra_scale[4] >= 10
+    assert plans[-1].max() == 0
+
+
+def test_goodput_probes_as_briefly_when_deciding_every_16_steps():
+    """Deciding every 16 steps, a probe of speculation that does not pay (drafting 40x dearer
+    than modelled) still ends once the calibration has its three measurements: the policy
+    drafts in as many of 1000 steps as when it decides every step (60: the first steps, then
+    four per probe after 64 plain steps)."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+
+    def drafting_steps(decide_every):
+        batch = BatchState([np.arange(10)] * 4, 2000, np.arange(4), np.zeros(0, dtype=np.int64))
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, decide_every=decide_every)
+        plans = _run_calibrated(policy, batch, 1000, lambda asked: 1.0 + (2.0 * asked.max() if asked.any() else 0.0))
+        return sum(1 for p in plans if p.any())
+
+    every_step = drafting_steps(1)
+    assert every_step <= 80 and drafting_steps(16) <= every_step + 8
