@@ -33,12 +33,18 @@ Searches:
 - "uniform": one k for every row (k capped per row by its budget), enumerated 0..K.
 
 Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
-every row decodes plainly this step. Acceptance is re-estimated after every step (EMA 0.85/0.15
-or a window of 100 steps, cold start at ``prior``); a row that does not draft drifts back towards
-the prior (``revisit``), so a run of rejections does not switch it off for good. The step-time
-model is corrected online by measured wall times (StepTimeCalibration: medians of recent steps),
-per bucket of active rows: the fitted model can under-predict what drafting costs at a large
-batch, and a batch's straggling last rows are a different trade-off from its first 64.
+every row decodes plainly this step. Acceptance is estimated online (EMA 0.85/0.15 or a window
+of 100 steps, cold start at ``prior``); a row that does not draft drifts back towards the prior
+(``revisit``), so a run of rejections does not switch it off for good. The step-time model is
+corrected online by measured wall times (StepTimeCalibration: medians of recent steps), per
+bucket of active rows: the fitted model can under-predict what drafting costs at a large batch,
+and a batch's straggling last rows are a different trade-off from its first 64.
+
+Decisions come every ``decide_every`` steps (sooner while a probe of speculation lacks its
+measurements); between them the policy does no work at all: it hands out the same plan and
+keeps the steps' records, and at the next decision learns from all of them at once (the pooled
+EMA from their summed counts, with the weight 1 - 0.85^n that n one-step updates of a constant
+would give; with one step per decision this is exactly the per-step update).
 
 Invariant: the policy changes only how many tokens are drafted; output is the target's own.
 """
