@@ -392,8 +392,9 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     rounds, each timing one pass of every method (the order rotated from round to round), so a
     slow spell of the machine falls on every method alike rather than on one method's passes.
     Each pass runs every chunk of ``batch`` prompts with a fresh policy, the device
-    synchronised around it and the garbage collector run before it and paused during it (a
-    collection lands on whichever pass it happens to fall in). A method that raises gets an
+    synchronised around it and the garbage collector paused during it (a collection lands on
+    whichever pass it happens to fall in); one full collection per cell, after which the objects
+    alive are frozen out of later collections. A method that raises gets an
     error row and takes no further part."""
     chunk_starts = range(0, len(prompts), batch)
     chunks = [prompts[i : i + batch] for i in chunk_starts]
@@ -410,29 +411,35 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
         except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
             errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
         spent[index] += time.perf_counter() - started
-    for round_number in range(settings.repeats):
-        shift = round_number * max(1, len(grid_methods) // settings.repeats)
-        for index in [(i + shift) % len(grid_methods) for i in range(len(grid_methods))]:
-            if index in errors:
-                continue
-            given, kwargs = calls[index]
-            policy = grid_methods[index].make(workload)
-            tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
-            gc.collect()
-            started = time.perf_counter()
-            try:
-                gc.disable()
-                _synchronise(settings.device)
+    # one full collection per cell, then every object alive now is frozen out of later
+    # collections: a full collection over the compiled models' objects takes most of a second
+    gc.collect()
+    gc.freeze()
+    try:
+        for round_number in range(settings.repeats):
+            shift = round_number * max(1, len(grid_methods) // settings.repeats)
+            for index in [(i + shift) % len(grid_methods) for i in range(len(grid_methods))]:
+                if index in errors:
+                    continue
+                given, kwargs = calls[index]
+                policy = grid_methods[index].make(workload)
+                tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
                 started = time.perf_counter()
-                outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
-                           for chunk, tally in zip(chunks, tallies)]
-                _synchronise(settings.device)
-                passes[index].append((time.perf_counter() - started, outputs, tallies, policy))
-            except Exception as error:  # noqa: BLE001
-                errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
-            finally:
-                gc.enable()
-                spent[index] += time.perf_counter() - started
+                try:
+                    gc.disable()
+                    _synchronise(settings.device)
+                    started = time.perf_counter()
+                    outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
+                               for chunk, tally in zip(chunks, tallies)]
+                    _synchronise(settings.device)
+                    passes[index].append((time.perf_counter() - started, outputs, tallies, policy))
+                except Exception as error:  # noqa: BLE001
+                    errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
+                finally:
+                    gc.enable()
+                    spent[index] += time.perf_counter() - started
+    finally:
+        gc.unfreeze()
     rows = []
     for index, method in enumerate(grid_methods):
         if index in errors:
