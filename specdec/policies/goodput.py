@@ -328,7 +328,9 @@ class GoodputPolicy(Policy):
         """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);
         search: "exact", "greedy" (per-row lengths) or "uniform" (one length for the batch);
         min_gain: how much speculation must beat plain decoding by; decide_every: steps between
-        decisions (lengths are kept, capped by each row's budget, in between); prior, estimator
+        decisions (lengths are kept, capped by each row's budget, in between, and the policy does
+        no work until the next decision, which learns from the steps since; fewer steps while a
+        probe of speculation lacks its measurements); prior, estimator
         ("ema" or "window"), window: acceptance estimation; per_position: use per-position
         acceptance rates (a position a row has never reached keeps the prior) rather than one
         rate per row; calibrate: correct the cost model online by the measured wall time of
