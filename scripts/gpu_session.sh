@@ -14,7 +14,10 @@
 #             same machine (it stays warm for about 30 s after a call)
 #   demo      python -m specdec demo --preset gpu --device cuda
 # A call may run at most 10 minutes: the zoo build takes about 3, so pick one long part per call.
-# Set SPECDEC_COMMIT to the commit being measured (the tree travels without .git).
+# Set SPECDEC_COMMIT to the commit being measured (the tree travels without .git). PIN (optional,
+# e.g. PIN=2-5) runs the benches under `taskset -c $PIN`: the policy runs of session 4 ran at two
+# speeds from pass to pass, and pinning the process to cores near the GPU is the first thing to
+# try against that (versions.txt records the GPU's CPU affinity and the host's CPUs).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true SPECDEC_ZOO_DIR=${SPECDEC_ZOO_DIR:-/tmp/zoo}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,6 +25,8 @@ PARTS=${PARTS:-tests}
 quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config" ; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/versions.txt"
+{ nvidia-smi topo -m; lscpu | grep -E "^(Model name|CPU\(s\)|NUMA|Thread|Core|Socket)"; } >> "$OUT/versions.txt" 2>&1
+RUN=python3; [[ -n "${PIN:-}" ]] && RUN="taskset -c $PIN python3"
 if [[ " $PARTS " =~ " tests " ]]; then
   timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1; tail -25 "$OUT/cuda_tests.log"
 fi
@@ -30,11 +35,11 @@ if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " poli
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$OUT/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$OUT/zoo_gpu_manifest.json" 2>/dev/null
 fi
-[[ " $PARTS " =~ " bench " ]] && python3 -m specdec bench --out "$OUT" 2>&1 | quiet | tee "$OUT/bench.log" | tail -40
-[[ " $PARTS " =~ " quick " ]] && python3 -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30
+[[ " $PARTS " =~ " bench " ]] && $RUN -m specdec bench --out "$OUT" 2>&1 | quiet | tee "$OUT/bench.log" | tail -40
+[[ " $PARTS " =~ " quick " ]] && $RUN -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30
 [[ " $PARTS " =~ " zoo " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --quick \
   --workloads mixed --time-limit-s 30 --out /tmp/warm 2>&1 | quiet | tail -3
-[[ " $PARTS " =~ " policies " ]] && python3 -m specdec bench --policies --preset gpu --device cuda \
+[[ " $PARTS " =~ " policies " ]] && $RUN -m specdec bench --policies --preset gpu --device cuda \
   ${POLICY_ARGS:---num-prompts 32 --time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
-[[ " $PARTS " =~ " demo " ]] && python3 -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
+[[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0
