@@ -67,7 +67,7 @@ class BenchSettings:
     bandwidth_shapes: tuple[str, ...] = ("llama-1B", "llama-8B")
 
 
-def _synchronise(device: str) -> None:
+def synchronise(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -81,10 +81,10 @@ def _ours(target, prompts, batch, drafter, k, settings, eos, graphs, compiled) -
     generate(target, max(chunks, key=lambda c: max(map(len, c))), **kwargs)
     timings = []
     for _ in range(settings.repeats):  # the median pass is reported
-        _synchronise(settings.device)
+        synchronise(settings.device)
         started = time.perf_counter()
         outputs = [generate(target, chunk, **kwargs) for chunk in chunks]
-        _synchronise(settings.device)
+        synchronise(settings.device)
         timings.append(time.perf_counter() - started)
     seconds = float(np.median(timings))
     sequences = [s for out in outputs for s in out.sequences]

@@ -63,7 +63,7 @@ from ..runner import runners_of
 from ..verifiers import PaddingFreeVerifier
 from ..workloads import KINDS, STANDARD, WorkloadGenerator, mean_oracle_lookup_tau
 from ..zoo import build, load
-from .harness import agreement, environment
+from .harness import agreement, environment, synchronise
 
 LOOKUP = "prompt lookup"
 FORMAT = "specdec.bench.policies/1"
@@ -156,11 +156,6 @@ class Tally(Policy):
 
 def _log(*args) -> None:
     print(*args, flush=True)
-
-
-def _synchronise(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def choose_drafters(settings: PolicyBenchSettings, zoo_drafters: dict, manifest: dict) -> list[str]:
@@ -294,7 +289,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         first_model = next((i for i, n in enumerate(names) if n != LOOKUP), 0)
         generate(target, [longest] * max_rows, drafter=list(drafters.values()), policy=FixedPolicy(K, first_model),
                  max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs, compile=compiled)
-        _synchronise(settings.device)
+        synchronise(settings.device)
         result["timings"]["build_runners_s"] = time.perf_counter() - phase
         log(f"runners built (rows {max_rows}, drafts up to {K}, prompts up to {len(longest)} tokens) "
             f"in {result['timings']['build_runners_s']:.1f} s")
@@ -427,11 +422,11 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
                 started = time.perf_counter()
                 try:
                     gc.disable()
-                    _synchronise(settings.device)
+                    synchronise(settings.device)
                     started = time.perf_counter()
                     outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
                                for chunk, tally in zip(chunks, tallies)]
-                    _synchronise(settings.device)
+                    synchronise(settings.device)
                     passes[index].append((time.perf_counter() - started, outputs, tallies, policy))
                 except Exception as error:  # noqa: BLE001
                     errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
@@ -603,6 +598,11 @@ def _ratio_to_plain(rows: list[dict]) -> dict:
             if not r["error"] and (r["workload"], r["batch"]) in plain}
 
 
+def _by_batch(target: dict) -> str:
+    """A target's ratio at each batch size, for the report's tables."""
+    return ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in target["per_batch"].items())
+
+
 def fastest_pass_rows(rows: list[dict]) -> list[dict]:
     """The rows with tokens/s from each run's fastest timed pass (every pass emits the same
     tokens: their outputs are compared)."""
@@ -657,8 +657,7 @@ def markdown(result: dict) -> str:
     lines += ["", "## Targets", "", "| target | workload | worst ratio | ratio by batch size | identical | met |",
               "|---|---|---|---|---|---|"]
     for t in targets:
-        by = ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in t["per_batch"].items())
-        lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {by} | "
+        lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {_by_batch(t)} | "
                      f"{'yes' if t['identical'] else 'no'} | {'yes' if t['met'] else 'no'} |")
     measured = {w: sorted({r["batch"] for r in rows if r["workload"] == w and not r["error"]}) for w in
                 dict.fromkeys(r["workload"] for r in rows)}
@@ -670,8 +669,7 @@ def markdown(result: dict) -> str:
                   "(interference only slows a pass down):", "", "| target | workload | worst ratio | ratio by batch size |",
                   "|---|---|---|---|"]
         for t in fastest:
-            by = ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in t["per_batch"].items())
-            lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {by} |")
+            lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {_by_batch(t)} |")
     for workload in dict.fromkeys(r["workload"] for r in rows):
         lines += ["", f"## Tokens/s against plain decoding, workload `{workload}`", "",
                   "| method | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]

@@ -140,11 +140,12 @@ class ModelDrafter(Drafter):
         rows = np.flatnonzero(behind)  # [F] ascending, holds every asked row
         ends = batch.lengths[rows]  # [F]
         starts = np.minimum(cached[rows], ends - 1)  # [F] an asked row is fed its last token at least
+        lag = int((ends - starts).max())
         group = runner.graphs.max_group_tokens if runner.graphs is not None else 0
-        passes = -(-int((ends - starts).max()) // group) if group else 1
+        passes = -(-lag // group) if group else 1
         if passes > MAX_CATCH_UP_PASSES:
             passes = 1
-        step = int((ends - starts).max()) if passes == 1 else group
+        step = lag if passes == 1 else group
         asked_slots = np.searchsorted(rows, asked)  # [R] where each asked row sits in ``rows``
         for p in range(passes):
             upper = ends - (passes - 1 - p) * step  # [F] each row's chunk ends here...

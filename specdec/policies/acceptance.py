@@ -276,10 +276,10 @@ class AcceptanceEstimator:
 
 
 class StepCounts:
-    """Per-row counts of the steps since the last ``clear`` (GoodputPolicy between decisions):
-    accepted draft tokens (successes), judged draft tokens (trials: successes, plus one if a
-    token was rejected), steps with a trial, steps asked to draft, steps in which the drafter
-    proposed when asked, and steps not asked to draft. A step costs a few [B] numpy additions."""
+    """Per-row counts of some steps (GoodputPolicy: those between two decisions, counted at the
+    second): accepted draft tokens (successes), judged draft tokens (trials: successes, plus one
+    if a token was rejected), steps with a trial, steps asked to draft, steps in which the drafter
+    proposed when asked, and steps not asked to draft."""
 
     def __init__(self, num_rows: int):
         self.successes = np.zeros(num_rows)  # [B]
@@ -314,8 +314,3 @@ class StepCounts:
         self.proposed_steps += (was_asked & (drafted > 0)).sum(axis=0)
         self.idle_steps += (taking_part & ~was_asked).sum(axis=0)
         self.steps += len(records)
-
-    def clear(self) -> None:
-        for counts in (self.successes, self.trials, self.trial_steps, self.asked_steps, self.proposed_steps, self.idle_steps):
-            counts[:] = 0
-        self.steps = 0

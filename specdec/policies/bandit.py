@@ -175,7 +175,7 @@ def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
             times += record.draft_time_s * wanted / wanted.sum()
         return times
     drafter_s = record.drafter_time_s
-    if cost_model is None and getattr(record, "drafter_wall_s", None) is not None:
+    if cost_model is None and record.drafter_wall_s is not None:
         drafter_s = np.maximum(drafter_s, record.drafter_wall_s)  # host-side work (prompt lookup) is invisible to the GPU clock
     for d in np.unique(drafter[wanted > 0]):
         mine = (drafter == d) & (wanted > 0)
@@ -380,11 +380,10 @@ class BanditPolicy(Policy):
             drafter_s = np.asarray(record.drafter_time_s, dtype=np.float64)
         else:
             drafter_s = np.where(drafted, record.draft_time_s / max(int(drafted.sum()), 1), 0.0)
-        wall = getattr(record, "drafter_wall_s", None)
         base_s = float(record.verify_time_s)
-        if wall is not None:
-            drafter_s = np.maximum(drafter_s, np.asarray(wall, dtype=np.float64))
-            if getattr(record, "step_time_s", None):  # what is left once each drafter is charged its share
+        if record.drafter_wall_s is not None:
+            drafter_s = np.maximum(drafter_s, np.asarray(record.drafter_wall_s, dtype=np.float64))
+            if record.step_time_s:  # what is left once each drafter is charged its share
                 base_s = max(float(record.step_time_s) - float(drafter_s[drafter_s > 0].sum()), 0.0)
         self.step_times.update(base_s, drafter_s, drafted)
 

@@ -75,14 +75,24 @@ def build_table(batch_sizes: Sequence[int], expected_tokens: Mapping[int, float]
     return table
 
 
+def switch_points(sizes: Sequence[int]) -> list[float]:
+    """Between neighbouring tabulated batch sizes b < b' (sorted), the nearest on a log scale
+    switches at their geometric mean."""
+    return [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:])]
+
+
+def nearest_size(sizes: Sequence[int], switch: Sequence[float], num_rows: int) -> int:
+    """The size of ``sizes`` (sorted, with their ``switch_points``) nearest to num_rows on a log
+    scale (ties: the larger size; fewer than one row: the smallest)."""
+    return sizes[bisect.bisect_right(switch, max(int(num_rows), 1))]
+
+
 def lookup(table: Mapping[int, int], num_rows: int) -> int:
     """The entry of the tabulated batch size nearest to num_rows on a log scale (ties: the larger
     batch size; fewer than one row: the smallest batch size's), so 60 active rows of a batch of
     64 use the entry measured at 64, not the one at 16."""
     sizes = sorted(table)
-    # between neighbours b < b', the nearest on a log scale switches at their geometric mean
-    switch = [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:])]
-    return int(table[sizes[bisect.bisect_right(switch, max(int(num_rows), 1))]])
+    return int(table[nearest_size(sizes, switch_points(sizes), num_rows)])
 
 
 def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[int], max_new_tokens: int = 32,
@@ -150,7 +160,7 @@ class BatchAdaptivePolicy(Policy):
         self.table = {int(b): int(s) for b, s in table.items()}
         self.drafter_index = int(drafter_index)
         self._sizes = sorted(self.table)
-        self._switch = [math.sqrt(a * b) for a, b in zip(self._sizes, self._sizes[1:])]  # as lookup()
+        self._switch = switch_points(self._sizes)  # lookup(), precomputed
         self.profile: dict | None = None  # what from_measurements measured
 
     @classmethod
@@ -173,7 +183,7 @@ class BatchAdaptivePolicy(Policy):
                           drafter_index: int = 0, **generate_options) -> BatchAdaptivePolicy:
         """The table from measured round times and tau (``measure_round_times``) rather than a
         fitted cost model: what the paper's short profile before serving does. Lookups between
-        the measured batch sizes take the entry below, as always."""
+        the measured batch sizes take the nearest one on a log scale, as always."""
         expected, seconds = measure_round_times(target, drafter, prompts, batch_sizes, draft_lengths,
                                                 max_new_tokens, **generate_options)
         policy = cls(build_table(batch_sizes, expected, lambda b, s: seconds[(int(b), int(s))]), drafter_index)
@@ -186,7 +196,7 @@ class BatchAdaptivePolicy(Policy):
 
     def plan(self, batch, num_drafters):
         active = batch.num_rows - int(np.count_nonzero(batch.finished))
-        length = self.table[self._sizes[bisect.bisect_right(self._switch, max(active, 1))]]  # lookup(), precomputed
+        length = self.table[nearest_size(self._sizes, self._switch, active)]
         if length > 0 and self.drafter_index >= num_drafters:
             raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
         return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),

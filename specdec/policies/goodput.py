@@ -51,6 +51,8 @@ Invariant: the policy changes only how many tokens are drafted; output is the ta
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -259,8 +261,8 @@ class StepTimeCalibration:
     def __init__(self):
         self.base_scale: dict[int, float] = {}  # bucket -> median of its samples (MIN_SAMPLES or more)
         self.extra_scale: dict[int, float] = {}
-        self._base_samples: dict[int, list[float]] = {}
-        self._extra_samples: dict[int, list[float]] = {}
+        self._base_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW samples
+        self._extra_samples: dict[int, deque[float]] = {}
         self._idle: dict[int, int] = {}  # steps without drafting since the bucket's last drafting step
 
     def apply(self, step_time: LinearStepTime, num_rows: int) -> LinearStepTime:
@@ -268,14 +270,10 @@ class StepTimeCalibration:
         return step_time.calibrated(self.base_scale.get(bucket, 1.0), self.extra_scale.get(bucket, 1.0))
 
     def _add(self, samples: dict, scales: dict, bucket: int, sample: float) -> None:
-        held = samples.setdefault(bucket, [])
+        held = samples.setdefault(bucket, deque(maxlen=self.WINDOW))
         held.append(sample)
-        if len(held) > self.WINDOW:
-            del held[0]
         if len(held) >= self.MIN_SAMPLES:
-            ordered = sorted(held)
-            middle = len(ordered) // 2
-            scales[bucket] = ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
+            scales[bucket] = statistics.median(held)
 
     def idle(self, num_rows: int, forget_after: int, steps: int = 1) -> None:
         """Count ``steps`` steps that did not draft; after ``forget_after`` of them in a row,
@@ -424,7 +422,7 @@ class GoodputPolicy(Policy):
     def _learn(self) -> None:
         """At a decision: what the steps since the last one taught (the estimator: their counts
         at once, or step by step for the window and per-position estimators; the calibration:
-        their mean measured time, drafting and plain steps apart)."""
+        one sample per measured step, _calibrate)."""
         records, self._records = self._records, []
         if not records:
             return
@@ -437,8 +435,9 @@ class GoodputPolicy(Policy):
                 self.estimator.relax(idle, self.drafter_index, 1.0 - (1.0 - self.revisit) ** counts.idle_steps[idle])
         else:
             idle = np.flatnonzero(self._asked == 0)
+            asked_any = bool(self._asked.any())  # a step no row was asked to draft in teaches nothing
             for record in records:
-                if self._asked.any():  # a step no row was asked to draft in teaches nothing
+                if asked_any:
                     self.estimator.update(record, asked=self._asked)
                 if self.revisit > 0 and len(idle):
                     self.estimator.relax(idle, self.drafter_index, self.revisit)
@@ -452,9 +451,9 @@ class GoodputPolicy(Policy):
         step_time, decided = self._decision
         plain, drafting = [], []
         for record in records[int(self._catching_up):]:
-            if not getattr(record, "step_time_s", None):
+            if not record.step_time_s:
                 continue
-            wall = getattr(record, "drafter_wall_s", None)
+            wall = record.drafter_wall_s
             ran = bool(wall.sum() > 0) if wall is not None else bool(record.num_drafted.any())
             (drafting if ran else plain).append(record.step_time_s)
         if plain:

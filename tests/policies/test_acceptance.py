@@ -103,7 +103,6 @@ def test_counts_of_one_step_learn_exactly_what_the_step_update_learns():
     generator = np.random.default_rng(5)
     by_step = AcceptanceEstimator(num_rows=5, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
     by_counts = AcceptanceEstimator(num_rows=5, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
-    counts = StepCounts(5)
     for _ in range(30):
         asked = generator.integers(0, 5, size=5)
         drafted = np.where(generator.random(5) < 0.8, asked, 0)
@@ -111,9 +110,9 @@ def test_counts_of_one_step_learn_exactly_what_the_step_update_learns():
         emitted = np.where(generator.random(5) < 0.1, accepted, accepted + 1)
         step = record(drafted, accepted, emitted, rows=np.flatnonzero(generator.random(5) < 0.9))
         by_step.update(step, asked=asked)
+        counts = StepCounts(5)
         counts.add(step, asked)
         by_counts.update_counts(counts, 0)
-        counts.clear()
         assert np.allclose(by_counts.rate(0), by_step.rate(0)) and np.allclose(by_counts.coverage(0), by_step.coverage(0))
     same, counts = record(drafted=[4, 2], accepted=[1, 2]), StepCounts(2)
     for _ in range(3):
