@@ -13,6 +13,8 @@
 #   zoo       only the gpu zoo build (and a short compile of its models), for later calls on the
 #             same machine (it stays warm for about 30 s after a call)
 #   demo      python -m specdec demo --preset gpu --device cuda
+#   noise     scripts/noise_probe.py: identical passes timed default, pinned, one thread, GPU warmed
+#             (about 1.5 minutes after the zoo build)
 # A call may run at most 10 minutes: the zoo build takes about 3, so pick one long part per call.
 # Set SPECDEC_COMMIT to the commit being measured (the tree travels without .git). PIN (optional,
 # e.g. PIN=2-5) runs the benches under `taskset -c $PIN`: the policy runs of session 4 ran at two
@@ -30,7 +32,7 @@ RUN=python3; [[ -n "${PIN:-}" ]] && RUN="taskset -c $PIN python3"
 if [[ " $PARTS " =~ " tests " ]]; then
   timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1; tail -25 "$OUT/cuda_tests.log"
 fi
-if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " || " $PARTS " =~ " zoo " ]]; then
+if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " || " $PARTS " =~ " zoo " || " $PARTS " =~ " noise " ]]; then
   timeout "${BUILD_TIMEOUT:-300}" python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$OUT/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$OUT/zoo_gpu_manifest.json" 2>/dev/null
@@ -39,6 +41,7 @@ fi
 [[ " $PARTS " =~ " quick " ]] && $RUN -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30
 [[ " $PARTS " =~ " zoo " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --quick \
   --workloads mixed --time-limit-s 30 --out /tmp/warm 2>&1 | quiet | tail -3
+[[ " $PARTS " =~ " noise " ]] && PYTHONPATH=. python3 scripts/noise_probe.py --out "$OUT" 2>&1 | quiet | tee "$OUT/noise.log" | tail -12
 [[ " $PARTS " =~ " policies " ]] && $RUN -m specdec bench --policies --preset gpu --device cuda \
   ${POLICY_ARGS:---num-prompts 32 --time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"

@@ -33,6 +33,7 @@ start after it (they are listed as skipped), so the report is always written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -63,6 +64,7 @@ from ..runner import runners_of
 from ..verifiers import PaddingFreeVerifier
 from ..workloads import KINDS, STANDARD, WorkloadGenerator, mean_oracle_lookup_tau
 from ..zoo import build, load
+from .affinity import gpu_local_cpus, pinned
 from .harness import agreement, environment, synchronise
 
 LOOKUP = "prompt lookup"
@@ -80,7 +82,10 @@ class PolicyBenchSettings:
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
     num_prompts: int = 64  # requests per workload at batch >= 2 (at least the batch size)
     batch1_prompts: int = 8  # requests per workload at batch 1, one call each
-    prompt_tokens: int = 128
+    # a file's beginning of up to 256 tokens leaves a copy request ~190 tokens of already-seen text
+    # to reproduce, more than max_new_tokens: at 128 only ~100 were, and even a perfect copier's
+    # prompt lookup tau at k=4 was 2.8 (run 3), not a workload where prompt lookup shines
+    prompt_tokens: int = 256
     max_new_tokens: int = 128
     workloads: tuple[str, ...] = ("mixed", "copy", "continuation")
     mixed_fraction: float = 0.5  # copy-heavy share of the mixed workload
@@ -95,9 +100,11 @@ class PolicyBenchSettings:
     profile_grid: str = "default"  # "default" or "tiny"
     profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile
     tau_profile_tokens: int = 32
+    tau_profile_repeats: int = 3  # measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median)
     warmup_tokens: int = 8  # new tokens of each untimed warm-up call
     repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
     time_limit_s: float | None = None  # no cell (batch size, workload) starts after this many seconds
+    pin_cpu: bool = False  # timed passes with the main thread on one core of the GPU's NUMA node (bench.affinity)
     seed: int = 0
 
 
@@ -271,6 +278,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         "rows": [],
         "skipped": [],
         "timings": {},
+        "timing_cpus": timing_cpus(settings),  # None: the passes ran unpinned
     }
     for name, workload in workloads.items():
         summary = workload.summary()
@@ -320,7 +328,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         policy = BatchAdaptivePolicy.from_measurements(
             target, drafters[policy_drafter], held_out[name].prompts(), batch_sizes=sorted(set(batch_sizes)),
             draft_lengths=sorted({0, 1, 2, 3, 4, 6, settings.max_draft_tokens}), max_new_tokens=settings.tau_profile_tokens,
-            **options)
+            repeats=settings.tau_profile_repeats, **options)
         tables[name], priors[name] = policy.table, rate_from_expected_tokens(expected)
         result["tau_profile"][name] = {"expected_tokens": {str(k): v for k, v in expected.items()},
                                        "acceptance_rate": priors[name], "context_len": context,
@@ -379,6 +387,14 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     return result
 
 
+def timing_cpus(settings: PolicyBenchSettings) -> list[int] | None:
+    """--pin-cpu: one core of the GPU's NUMA node (the middle one listed), else None (unpinned)."""
+    if not settings.pin_cpu:
+        return None
+    local = gpu_local_cpus()
+    return [local[len(local) // 2]]
+
+
 def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: str, prompts: list[list[int]],
                  kinds: np.ndarray, batch: int, settings: PolicyBenchSettings, eos, graphs: bool,
                  compiled: bool) -> list[dict]:
@@ -389,7 +405,8 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     Each pass runs every chunk of ``batch`` prompts with a fresh policy, the device
     synchronised around it and the garbage collector paused during it (a collection lands on
     whichever pass it happens to fall in); one full collection per cell, after which the objects
-    alive are frozen out of later collections. A method that raises gets an
+    alive are frozen out of later collections. With ``pin_cpu`` the rounds run with the main
+    thread on one core of the GPU's NUMA node. A method that raises gets an
     error row and takes no further part."""
     chunk_starts = range(0, len(prompts), batch)
     chunks = [prompts[i : i + batch] for i in chunk_starts]
@@ -410,6 +427,8 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     # collections: a full collection over the compiled models' objects takes most of a second
     gc.collect()
     gc.freeze()
+    placement = contextlib.ExitStack()
+    placement.enter_context(pinned(timing_cpus(settings)))
     try:
         for round_number in range(settings.repeats):
             shift = round_number * max(1, len(grid_methods) // settings.repeats)
@@ -435,6 +454,7 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
                     spent[index] += time.perf_counter() - started
     finally:
         gc.unfreeze()
+        placement.close()
     rows = []
     for index, method in enumerate(grid_methods):
         if index in errors:
@@ -873,6 +893,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-grid", choices=("default", "tiny"), default=d.profile_grid)
     p.add_argument("--time-limit-s", type=float, default=None, help="start no cell (batch size, workload) after this many seconds")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per run (median); --quick: 1")
+    p.add_argument("--profile-repeats", dest="tau_profile_repeats", type=int, default=d.tau_profile_repeats,
+                   help="measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median); --quick: 1")
+    p.add_argument("--pin-cpu", action="store_true",
+                   help="time the passes with the main thread pinned to one core on the GPU's NUMA node")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="merge results of the same experiment at different batch sizes into one report (no run)")
     p.add_argument("--name", default=None, help="file stem of the written results")
@@ -895,13 +919,14 @@ def settings_from(args) -> PolicyBenchSettings:
         lengths=_ints(args.lengths), max_draft_tokens=args.max_draft_tokens, bandit_length=args.bandit_length,
         policy_drafter=args.policy_drafter, goodput_decide_every=args.goodput_decide_every,
         bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed,
-        repeats=args.repeats)
+        repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats)
     if settings.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {settings.repeats}")
     if args.quick:  # smaller settings, except where an option was given explicitly
         defaults = parser().parse_args([])
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
-                 "num_model_drafters": 1, "profile_grid": "tiny", "repeats": 1}
+                 "num_model_drafters": 1, "profile_grid": "tiny", "repeats": 1,
+                 "prompt_tokens": 128, "tau_profile_repeats": 1}
         chosen = {k: v for k, v in quick.items() if getattr(args, k) == getattr(defaults, k)}
         settings = replace(settings, **chosen, profile_prompts=4, max_new_tokens=min(settings.max_new_tokens, 32))
     unknown = set(settings.workloads) - set(STANDARD)

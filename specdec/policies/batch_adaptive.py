@@ -110,39 +110,46 @@ def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[in
 
 
 def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], draft_lengths: Sequence[int],
-                        max_new_tokens: int = 32, **generate_options) -> tuple[dict[int, float], dict]:
+                        max_new_tokens: int = 32, repeats: int = 1, **generate_options) -> tuple[dict[int, float], dict]:
     """A short measured profile, no model in between: for every batch size b and length s,
     generate() with FixedPolicy(s) on every one of ``prompts`` in calls of b (one call of b
     requests, ``prompts`` cycled, when b exceeds their number), warm runners assumed. A small
-    batch size thus still measures many requests, not one request's luck.
+    batch size thus still measures many requests, not one request's luck. With ``repeats`` > 1
+    every length is measured that many times, the lengths taken in turn within each round (a
+    slow spell of the machine then falls on one round of every length, not on all of one
+    length's), and a length's time is the median over its rounds.
 
-    -> (l(s): tau pooled over every call, {(b, s): measured seconds per decoding step, pooled
-    over its calls}).
+    -> (l(s): tau pooled over every call, {(b, s): measured seconds per decoding step, the
+    median over rounds of each round's pooled calls}).
     """
     from ..generate import generate  # the loop imports the policies package
     from .fixed import FixedPolicy
 
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1 (measured rounds per length), got {repeats!r}")
     prompts = list(prompts)
     emitted: dict[int, float] = {}
     row_steps: dict[int, float] = {}
-    seconds: dict[tuple[int, int], float] = {}
+    rounds: dict[tuple[int, int], list[float]] = {}
     for b in batch_sizes:
         b = int(b)
         if b >= len(prompts):
             calls = [[prompts[i % len(prompts)] for i in range(b)]]
         else:
             calls = [prompts[i : i + b] for i in range(0, len(prompts) - b + 1, b)]  # whole calls of b only
-        for s in draft_lengths:
-            decoding_s = steps = 0.0
-            for chosen in calls:
-                out = generate(target, chosen, drafter=drafter if s > 0 else None, policy=FixedPolicy(int(s)),
-                               max_new_tokens=max_new_tokens, **generate_options)
-                stats = out.stats
-                decoding_s += stats.wall_time_s - stats.prefill_time_s
-                steps += stats.steps
-                emitted[int(s)] = emitted.get(int(s), 0.0) + sum(r.emitted for r in stats.requests)
-                row_steps[int(s)] = row_steps.get(int(s), 0.0) + sum(r.steps for r in stats.requests)
-            seconds[(b, int(s))] = decoding_s / steps
+        for _ in range(repeats):
+            for s in draft_lengths:
+                decoding_s = steps = 0.0
+                for chosen in calls:
+                    out = generate(target, chosen, drafter=drafter if s > 0 else None, policy=FixedPolicy(int(s)),
+                                   max_new_tokens=max_new_tokens, **generate_options)
+                    stats = out.stats
+                    decoding_s += stats.wall_time_s - stats.prefill_time_s
+                    steps += stats.steps
+                    emitted[int(s)] = emitted.get(int(s), 0.0) + sum(r.emitted for r in stats.requests)
+                    row_steps[int(s)] = row_steps.get(int(s), 0.0) + sum(r.steps for r in stats.requests)
+                rounds.setdefault((b, int(s)), []).append(decoding_s / steps)
+    seconds = {key: float(np.median(times)) for key, times in rounds.items()}
     return {s: emitted[s] / row_steps[s] for s in emitted}, seconds
 
 
@@ -180,12 +187,13 @@ class BatchAdaptivePolicy(Policy):
     @classmethod
     def from_measurements(cls, target, drafter, prompts, batch_sizes: Sequence[int] = (1, 4, 16, 64),
                           draft_lengths: Sequence[int] = (0, 1, 2, 3, 4, 6, 8), max_new_tokens: int = 32,
-                          drafter_index: int = 0, **generate_options) -> BatchAdaptivePolicy:
-        """The table from measured round times and tau (``measure_round_times``) rather than a
-        fitted cost model: what the paper's short profile before serving does. Lookups between
-        the measured batch sizes take the nearest one on a log scale, as always."""
+                          drafter_index: int = 0, repeats: int = 1, **generate_options) -> BatchAdaptivePolicy:
+        """The table from measured round times and tau (``measure_round_times``, ``repeats``
+        rounds per length) rather than a fitted cost model: what the paper's short profile
+        before serving does. Lookups between the measured batch sizes take the nearest one on a
+        log scale, as always."""
         expected, seconds = measure_round_times(target, drafter, prompts, batch_sizes, draft_lengths,
-                                                max_new_tokens, **generate_options)
+                                                max_new_tokens, repeats=repeats, **generate_options)
         policy = cls(build_table(batch_sizes, expected, lambda b, s: seconds[(int(b), int(s))]), drafter_index)
         policy.profile = {"expected_tokens": expected, "seconds_per_step": {f"{b},{s}": t for (b, s), t in seconds.items()}}
         return policy

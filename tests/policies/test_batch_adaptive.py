@@ -150,3 +150,35 @@ def test_measured_rounds_at_batch_1_cover_every_prompt():
     single = generate(target, prompts[:1], drafter=drafter, policy=FixedPolicy(3), max_new_tokens=10).stats
     assert expected[3] == pytest.approx(whole.tau) and single.tau != pytest.approx(whole.tau)
     assert set(seconds) == {(1, 3)} and seconds[(1, 3)] > 0
+
+
+def test_measured_rounds_repeat_in_turn_and_take_the_median(monkeypatch):
+    """repeats=3: the lengths are measured in turn within each round (0, 2, 0, 2, 0, 2), and a
+    length's seconds per step is the median of its rounds, so one slow round does not move it."""
+    import sys
+    from types import SimpleNamespace
+
+    from specdec.policies.batch_adaptive import measure_round_times
+
+    order, slow = [], {(2, 1): 5.0}  # (length, round) -> seconds per step of that round
+    per_step = {0: 1.0, 2: 1.5}
+
+    def fake_generate(target, prompts, drafter=None, policy=None, max_new_tokens=0, **_):
+        s = policy.num_draft_tokens
+        round_number = sum(1 for o in order if o == s)
+        order.append(s)
+        steps = 4
+        requests = [SimpleNamespace(emitted=4 * (s + 1) // 2 + 1, steps=steps) for _ in prompts]
+        wall = 0.5 + steps * slow.get((s, round_number), per_step[s])
+        return SimpleNamespace(stats=SimpleNamespace(wall_time_s=wall, prefill_time_s=0.5, steps=steps,
+                                                     requests=requests))
+
+    monkeypatch.setattr(sys.modules["specdec.generate"], "generate", fake_generate)
+    expected, seconds = measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,), draft_lengths=(0, 2),
+                                            max_new_tokens=4, repeats=3)
+    assert order == [0, 2, 0, 2, 0, 2]
+    assert seconds == {(1, 0): pytest.approx(1.0), (1, 2): pytest.approx(1.5)}  # the 5.0 round is out
+    mean_of_rounds = (1.5 + 5.0 + 1.5) / 3
+    assert seconds[(1, 2)] != pytest.approx(mean_of_rounds)
+    with pytest.raises(ValueError, match="repeats"):
+        measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,), draft_lengths=(0,), repeats=0)

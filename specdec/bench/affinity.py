@@ -1,0 +1,67 @@
+"""CPU placement of the benchmark's host thread.
+
+At the zoo's sizes a decoding step is host-bound (the H200 runs a graphed step of the target in
+a fraction of the ~1.4 ms the step takes), so a pass's time follows the speed of the core the
+Python thread runs on. Session 4's policy runs ran at two speeds from pass to pass (up to 1.7x).
+Pinning the main thread to one core on the GPU's own NUMA node is the remedy tried here; the
+noise probe (``scripts/noise_probe.py``) measures whether it narrows the spread.
+
+Invariant: pinning changes where the thread runs, never what it computes; ``pinned`` restores
+the previous affinity on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(f"not a cpulist: {text!r} (expected e.g. '0-3,8')") from None
+        if last < first:
+            raise ValueError(f"not a cpulist: {text!r} (range {part!r} runs backwards)")
+        cpus.extend(range(first, last + 1))
+    return cpus
+
+
+def gpu_local_cpus(device_index: int = 0) -> list[int]:
+    """The CPUs this process may use that sit on the GPU's NUMA node (from the PCI device's
+    ``local_cpulist``); every allowed CPU when that cannot be read (no nvidia-smi, no sysfs)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        bus_id = subprocess.run(
+            ["nvidia-smi", f"--id={device_index}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        # nvidia-smi prints an 8-digit domain (00000000:19:00.0); sysfs uses 4 (0000:19:00.0)
+        domain, _, rest = bus_id.partition(":")
+        local = parse_cpulist(Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}".lower(), "local_cpulist").read_text())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return allowed
+    return [c for c in allowed if c in set(local)] or allowed
+
+
+@contextlib.contextmanager
+def pinned(cpus: list[int] | None):
+    """Run the calling thread on ``cpus`` inside the block (None: leave it where it is)."""
+    if cpus is None:
+        yield
+        return
+    if not cpus:
+        raise ValueError("pinned() needs at least one CPU, got an empty list")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
