@@ -96,16 +96,26 @@ def lookup(table: Mapping[int, int], num_rows: int) -> int:
 
 
 def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[int], max_new_tokens: int = 32,
-                            **generate_options) -> dict[int, float]:
-    """A short profile: l(s) = measured tau of generate() with FixedPolicy(s), for each s."""
+                            batch_size: int | None = None, **generate_options) -> dict[int, float]:
+    """A short profile: l(s) = measured tau of generate() with FixedPolicy(s), for each s, over
+    every one of ``prompts`` (in calls of at most ``batch_size`` requests; None: one call),
+    pooled: emitted tokens over row steps of all the calls."""
     from ..generate import generate  # the loop imports the policies package
     from .fixed import FixedPolicy
 
+    prompts = list(prompts)
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+    size = len(prompts) if batch_size is None else batch_size
     measured = {}
     for s in draft_lengths:
-        out = generate(target, prompts, drafter=drafter, policy=FixedPolicy(int(s)), max_new_tokens=max_new_tokens,
-                       **generate_options)
-        measured[int(s)] = float(out.stats.tau)
+        emitted = row_steps = 0
+        for start in range(0, len(prompts), size):
+            out = generate(target, prompts[start : start + size], drafter=drafter, policy=FixedPolicy(int(s)),
+                           max_new_tokens=max_new_tokens, **generate_options)
+            emitted += sum(r.emitted for r in out.stats.requests)
+            row_steps += sum(r.steps for r in out.stats.requests)
+        measured[int(s)] = emitted / row_steps if row_steps else float("nan")
     return measured
 
 

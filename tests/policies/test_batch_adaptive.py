@@ -182,3 +182,24 @@ def test_measured_rounds_repeat_in_turn_and_take_the_median(monkeypatch):
     assert seconds[(1, 2)] != pytest.approx(mean_of_rounds)
     with pytest.raises(ValueError, match="repeats"):
         measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,), draft_lengths=(0,), repeats=0)
+
+
+def test_the_tau_profile_in_small_calls_pools_every_prompt():
+    """batch_size=1 decodes each prompt alone and pools them: the same tau as one call of all
+    (greedy outputs do not depend on the batch), not the first prompt's."""
+    import torch
+
+    from specdec.drafters import ModelDrafter
+    from specdec.policies import profile_expected_tokens
+    from tests.tiny import make_model, perturbed_copy, random_prompts
+
+    target = make_model("llama", dtype=torch.float32)
+    drafter = ModelDrafter(perturbed_copy(target, 0.3))
+    prompts = random_prompts(4, target.config.vocab_size, seed=5)
+    whole = profile_expected_tokens(target, drafter, prompts, (2, 4), max_new_tokens=10)
+    alone = profile_expected_tokens(target, drafter, prompts, (2, 4), max_new_tokens=10, batch_size=1)
+    first = profile_expected_tokens(target, drafter, prompts[:1], (2, 4), max_new_tokens=10)
+    assert alone == pytest.approx(whole)
+    assert first != pytest.approx(whole)
+    with pytest.raises(ValueError, match="batch_size"):
+        profile_expected_tokens(target, drafter, prompts, (2,), batch_size=0)
