@@ -360,3 +360,39 @@ def test_joint_scope_charges_a_host_side_drafter_its_host_time():
 
     assert (run(with_wall=True) == 0).mean() > 0.9
     assert (run(with_wall=False) == 1).mean() > 0.9
+
+
+def test_joint_scope_does_not_price_a_drafter_by_its_prompt_reading_pass():
+    """A model drafter's first pass in each generate() call reads the prompts: here 20 s against
+    0.2 s afterwards (drafter 0: 3.4 tokens per step; drafter 1, free like prompt lookup: 2.0;
+    verify 1 s, so drafter 0 is best: 2.83 against 2.0 tokens/s per row). Over 10 calls of 30
+    steps, drafter 0 drafts in at least 90% of the last 5 calls' steps (measured: all of them).
+    With that first pass taken as a sample (the EMA before run 4's fix) drafter 0 looked 100x
+    dearer and was dropped after its first step."""
+    from specdec.policies.bandit import StepTimeAverages
+
+    rng = np.random.default_rng(0)
+    mean_tokens, pass_s, first_pass_s = np.array([3.4, 2.0]), np.array([0.2, 0.0]), np.array([20.0, 0.0])
+    policy = BanditPolicy(JOINT_K, scope="joint")
+    used = []
+    for call in range(10):
+        batch, ran_before = endless_batch(8), np.zeros(2, dtype=bool)
+        for _ in range(30):
+            arms = policy.plan(batch, 2).drafter_index  # [B]
+            emitted = 1 + rng.binomial(JOINT_K, (mean_tokens[arms] - 1.0) / JOINT_K)
+            ran = np.isin(np.arange(2), arms)
+            times = np.where(ran, np.where(ran_before, pass_s, first_pass_s), 0.0)
+            ran_before |= ran
+            policy.observe(make_record(drafted=np.full(8, JOINT_K), emitted=emitted, drafter=arms, draft_s=0.0,
+                                       verify_s=1.0, drafter_s=times))
+            if call >= 5:
+                used.append(bool(ran[0]))
+    assert np.mean(used) >= 0.9, np.mean(used)
+    assert policy.step_times.drafter_s[0] == pytest.approx(0.2)
+
+    averages = StepTimeAverages(1, window=3)  # the median ignores one catch-up spike
+    for seconds in (9.0, 0.2, 0.2, 5.0, 0.2):
+        averages.update(1.0, np.array([seconds]), np.array([True]))
+    assert averages.drafter_s[0] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="window"):
+        StepTimeAverages(1, window=0)
