@@ -3,7 +3,7 @@
 One process, the gpu zoo's target (graphed, compiled) at batch 16 and 128 new tokens, plain
 decoding and drafter-4L-narrow k=4. Every round times one pass of each method under each
 condition, the order rotated from round to round:
-  default     as the policy bench runs today
+  default     the policy bench's timing (its passes use 256-token prompts; these use 128)
   pinned      the main thread pinned to one core on the GPU's NUMA node (bench.affinity)
   one_thread  torch.set_num_threads(1) (no intra-op worker threads spinning beside the main one)
   gpu_warm    50 ms of GPU work right before the pass (if the GPU clocks down between passes)

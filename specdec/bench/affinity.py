@@ -35,25 +35,39 @@ def parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
+def _pci_bus_id(device_index: int) -> str:
+    """The PCI bus id of CUDA device ``device_index`` (torch's numbering, after
+    CUDA_VISIBLE_DEVICES) when torch reports it, else nvidia-smi's for that index."""
+    import torch
+
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(device_index)
+        if all(hasattr(properties, f"pci_{part}_id") for part in ("domain", "bus", "device")):
+            return f"{properties.pci_domain_id:08x}:{properties.pci_bus_id:02x}:{properties.pci_device_id:02x}.0"
+    return subprocess.run(
+        ["nvidia-smi", f"--id={device_index}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+
+
 def gpu_local_cpus(device_index: int = 0) -> list[int]:
-    """The CPUs this process may use that sit on the GPU's NUMA node (from the PCI device's
-    ``local_cpulist``); every allowed CPU when that cannot be read (no nvidia-smi, no sysfs)."""
+    """The CPUs this process may use that sit on the NUMA node of CUDA device ``device_index``
+    (from the PCI device's ``local_cpulist``); every allowed CPU when that cannot be read (no
+    GPU, no nvidia-smi, no sysfs)."""
     allowed = sorted(os.sched_getaffinity(0))
     try:
-        bus_id = subprocess.run(
-            ["nvidia-smi", f"--id={device_index}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        bus_id = _pci_bus_id(device_index)
         # nvidia-smi prints an 8-digit domain (00000000:19:00.0); sysfs uses 4 (0000:19:00.0)
         domain, _, rest = bus_id.partition(":")
         local = parse_cpulist(Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}".lower(), "local_cpulist").read_text())
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError, ValueError, RuntimeError, AssertionError):
         return allowed
     return [c for c in allowed if c in set(local)] or allowed
 
 
 @contextlib.contextmanager
 def pinned(cpus: list[int] | None):
-    """Run the calling thread on ``cpus`` inside the block (None: leave it where it is)."""
+    """Run the calling thread on ``cpus`` inside the block (None: leave it where it is). Only
+    the calling thread is restored on exit: threads started inside the block keep ``cpus``."""
     if cpus is None:
         yield
         return

@@ -235,8 +235,9 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     save = checkpoint or (lambda partial: None)
     if settings.bandit_length < 1 or settings.max_draft_tokens < 1 or min(settings.lengths, default=1) < 1:
         raise ValueError("bandit_length and max_draft_tokens must be >= 1")
-    if settings.repeats < 1:
-        raise ValueError(f"repeats must be >= 1 (timed passes per run), got {settings.repeats}")
+    if settings.repeats < 1 or settings.tau_profile_repeats < 1:
+        raise ValueError(f"repeats and tau_profile_repeats must be >= 1 (timed passes per run, measured rounds "
+                         f"per profiled length), got {settings.repeats} and {settings.tau_profile_repeats}")
     if settings.bandit_times not in ("measured", "model"):
         raise ValueError(f"bandit_times must be 'measured' or 'model', got {settings.bandit_times!r}")
     cuda = settings.device.startswith("cuda")
@@ -394,7 +395,8 @@ def timing_cpus(settings: PolicyBenchSettings) -> list[int] | None:
     """--pin-cpu: one core of the GPU's NUMA node (the middle one listed), else None (unpinned)."""
     if not settings.pin_cpu:
         return None
-    local = gpu_local_cpus()
+    device = torch.device(settings.device)
+    local = gpu_local_cpus(device.index if device.index is not None else 0)
     return [local[len(local) // 2]]
 
 
@@ -431,8 +433,8 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     gc.collect()
     gc.freeze()
     placement = contextlib.ExitStack()
-    placement.enter_context(pinned(timing_cpus(settings)))
     try:
+        placement.enter_context(pinned(timing_cpus(settings)))
         for round_number in range(settings.repeats):
             shift = round_number * max(1, len(grid_methods) // settings.repeats)
             for index in [(i + shift) % len(grid_methods) for i in range(len(grid_methods))]:
@@ -925,6 +927,8 @@ def settings_from(args) -> PolicyBenchSettings:
         repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats)
     if settings.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {settings.repeats}")
+    if settings.tau_profile_repeats < 1:
+        raise SystemExit(f"--profile-repeats must be >= 1, got {settings.tau_profile_repeats}")
     if args.quick:  # smaller settings, except where an option was given explicitly
         defaults = parser().parse_args([])
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),

@@ -104,9 +104,12 @@ def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[in
     from .fixed import FixedPolicy
 
     prompts = list(prompts)
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+    if not prompts:
+        raise ValueError("profile_expected_tokens needs at least one prompt")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
-    size = len(prompts) if batch_size is None else batch_size
+    size = len(prompts) if batch_size is None else int(batch_size)
     measured = {}
     for s in draft_lengths:
         emitted = row_steps = 0
@@ -135,7 +138,7 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
     from ..generate import generate  # the loop imports the policies package
     from .fixed import FixedPolicy
 
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1 (measured rounds per length), got {repeats!r}")
     prompts = list(prompts)
     emitted: dict[int, float] = {}

@@ -31,7 +31,33 @@ def test_pinned_moves_the_thread_and_restores_it():
             pass
 
 
-def test_gpu_local_cpus_falls_back_to_the_allowed_cpus():
-    allowed = os.sched_getaffinity(0)
-    cpus = gpu_local_cpus()
-    assert cpus and set(cpus) <= allowed  # no GPU here: every allowed CPU
+def test_gpu_local_cpus_falls_back_to_the_allowed_cpus(monkeypatch):
+    from specdec.bench import affinity
+
+    def no_gpu(index):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(affinity, "_pci_bus_id", no_gpu)
+    assert gpu_local_cpus() == sorted(os.sched_getaffinity(0))
+
+
+def test_gpu_local_cpus_reads_the_devices_numa_cpus(monkeypatch):
+    """nvidia-smi's 8-digit PCI domain becomes sysfs's 4 digits; the result keeps only CPUs this
+    process may use."""
+    from specdec.bench import affinity
+
+    allowed = sorted(os.sched_getaffinity(0))
+    read = []
+
+    class FakePath:
+        def __init__(self, *parts):
+            self.path = "/".join(parts)
+
+        def read_text(self):
+            read.append(self.path)
+            return f"{allowed[-1]},{allowed[-1] + 1000}\n"  # one allowed CPU, one that is not
+
+    monkeypatch.setattr(affinity, "_pci_bus_id", lambda index: "00000000:19:00.0")
+    monkeypatch.setattr(affinity, "Path", FakePath)
+    assert gpu_local_cpus(0) == [allowed[-1]]
+    assert read == ["/sys/bus/pci/devices/0000:19:00.0/local_cpulist"]

@@ -198,8 +198,11 @@ def test_the_tau_profile_in_small_calls_pools_every_prompt():
     prompts = random_prompts(4, target.config.vocab_size, seed=5)
     whole = profile_expected_tokens(target, drafter, prompts, (2, 4), max_new_tokens=10)
     alone = profile_expected_tokens(target, drafter, prompts, (2, 4), max_new_tokens=10, batch_size=1)
+    uneven = profile_expected_tokens(target, drafter, prompts, (2, 4), max_new_tokens=10, batch_size=3)  # 3 + 1
     first = profile_expected_tokens(target, drafter, prompts[:1], (2, 4), max_new_tokens=10)
-    assert alone == pytest.approx(whole)
+    assert alone == pytest.approx(whole) and uneven == pytest.approx(whole)
     assert first != pytest.approx(whole)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        profile_expected_tokens(target, drafter, [], (2,))
     with pytest.raises(ValueError, match="batch_size"):
         profile_expected_tokens(target, drafter, prompts, (2,), batch_size=0)
