@@ -898,6 +898,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-grid", choices=("default", "tiny"), default=d.profile_grid)
     p.add_argument("--time-limit-s", type=float, default=None, help="start no cell (batch size, workload) after this many seconds")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per run (median); --quick: 1")
+    p.add_argument("--tau-profile-tokens", type=int, default=d.tau_profile_tokens,
+                   help="new tokens per request of the tau profile (GoodputPolicy's prior, BatchAdaptivePolicy's table)")
     p.add_argument("--profile-repeats", dest="tau_profile_repeats", type=int, default=d.tau_profile_repeats,
                    help="measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median); --quick: 1")
     p.add_argument("--pin-cpu", action="store_true",
@@ -924,11 +926,13 @@ def settings_from(args) -> PolicyBenchSettings:
         lengths=_ints(args.lengths), max_draft_tokens=args.max_draft_tokens, bandit_length=args.bandit_length,
         policy_drafter=args.policy_drafter, goodput_decide_every=args.goodput_decide_every,
         bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed,
-        repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats)
+        repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats,
+        tau_profile_tokens=args.tau_profile_tokens)
     if settings.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {settings.repeats}")
-    if settings.tau_profile_repeats < 1:
-        raise SystemExit(f"--profile-repeats must be >= 1, got {settings.tau_profile_repeats}")
+    if settings.tau_profile_repeats < 1 or settings.tau_profile_tokens < 1:
+        raise SystemExit(f"--profile-repeats and --tau-profile-tokens must be >= 1, got "
+                         f"{settings.tau_profile_repeats} and {settings.tau_profile_tokens}")
     if args.quick:  # smaller settings, except where an option was given explicitly
         defaults = parser().parse_args([])
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),

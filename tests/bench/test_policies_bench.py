@@ -202,3 +202,19 @@ def test_the_report_renders_synthetic_results():
     report = markdown(result)
     assert "| BanditPolicy ucb beats the best single drafter by >= 10% tokens/s (needs 1.10) | mixed | 1.15 |" in report
     assert "## Tokens/s against plain decoding, workload `copy`" in report
+
+
+def test_the_profile_and_pinning_options_reach_the_settings():
+    """--tau-profile-tokens, --profile-repeats and --pin-cpu set their fields; --quick keeps an
+    option given explicitly; a count below 1 is refused before anything is built."""
+    from specdec.bench.policies import parser, settings_from
+
+    settings = settings_from(parser().parse_args(["--tau-profile-tokens", "128", "--profile-repeats", "5", "--pin-cpu"]))
+    assert (settings.tau_profile_tokens, settings.tau_profile_repeats, settings.pin_cpu) == (128, 5, True)
+    default = settings_from(parser().parse_args([]))
+    assert (default.tau_profile_tokens, default.tau_profile_repeats, default.pin_cpu, default.prompt_tokens) == (32, 3, False, 256)
+    quick = settings_from(parser().parse_args(["--quick", "--profile-repeats", "2"]))
+    assert quick.tau_profile_repeats == 2 and quick.prompt_tokens == 128
+    for option in ("--tau-profile-tokens", "--profile-repeats", "--repeats"):
+        with pytest.raises(SystemExit, match="must be >= 1"):
+            settings_from(parser().parse_args([option, "0"]))
