@@ -33,7 +33,6 @@ start after it (they are listed as skipped), so the report is always written.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -283,6 +282,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         "timings": {},
         "timing_cpus": timing_cpus(settings),  # None: the passes ran unpinned
     }
+    cpus = result["timing_cpus"]
     for name, workload in workloads.items():
         summary = workload.summary()
         summary["oracle_lookup_tau"] = mean_oracle_lookup_tau(workload, tokenizer, settings.bandit_length,
@@ -360,7 +360,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         prompts, kinds = workload.prompts(size), np.array([KINDS.index(k) for k in workload.kinds(size)])
         before = _runner_ids(models)
         measured = measure_cell(target, drafters, grid_methods, workload_name, prompts, kinds, batch, settings, eos,
-                                graphs, compiled)
+                                graphs, compiled, cpus)
         rebuilt = _runner_ids(models) != before
         reference = measured[0].get("sequences")  # plain decoding comes first
         for index, (method, row) in enumerate(zip(grid_methods, measured), start=1):
@@ -402,7 +402,7 @@ def timing_cpus(settings: PolicyBenchSettings) -> list[int] | None:
 
 def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: str, prompts: list[list[int]],
                  kinds: np.ndarray, batch: int, settings: PolicyBenchSettings, eos, graphs: bool,
-                 compiled: bool) -> list[dict]:
+                 compiled: bool, cpus: list[int] | None = None) -> list[dict]:
     """Every method on one workload at one batch size -> a row per method (with its sequences,
     for the comparison). First one short untimed warm-up call per method; then ``repeats``
     rounds, each timing one pass of every method (the order rotated from round to round), so a
@@ -410,8 +410,8 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     Each pass runs every chunk of ``batch`` prompts with a fresh policy, the device
     synchronised around it and the garbage collector paused during it (a collection lands on
     whichever pass it happens to fall in); one full collection per cell, after which the objects
-    alive are frozen out of later collections. With ``pin_cpu`` the rounds run with the main
-    thread on one core of the GPU's NUMA node. A method that raises gets an
+    alive are frozen out of later collections. With ``cpus`` (``timing_cpus``) the rounds run
+    with the main thread on those CPUs. A method that raises gets an
     error row and takes no further part."""
     chunk_starts = range(0, len(prompts), batch)
     chunks = [prompts[i : i + batch] for i in chunk_starts]
@@ -432,12 +432,12 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     # collections: a full collection over the compiled models' objects takes most of a second
     gc.collect()
     gc.freeze()
-    placement = contextlib.ExitStack()
+    n = len(grid_methods)
+    rotation = max(1, n // settings.repeats)  # each round starts this many methods further on
+    order = [(i + r * rotation) % n for r in range(settings.repeats) for i in range(n)]
     try:
-        placement.enter_context(pinned(timing_cpus(settings)))
-        for round_number in range(settings.repeats):
-            shift = round_number * max(1, len(grid_methods) // settings.repeats)
-            for index in [(i + shift) % len(grid_methods) for i in range(len(grid_methods))]:
+        with pinned(cpus):
+            for index in order:
                 if index in errors:
                     continue
                 given, kwargs = calls[index]
@@ -459,7 +459,6 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
                     spent[index] += time.perf_counter() - started
     finally:
         gc.unfreeze()
-        placement.close()
     rows = []
     for index, method in enumerate(grid_methods):
         if index in errors:

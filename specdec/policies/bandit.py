@@ -155,6 +155,14 @@ class BanditState:
         np.add.at(self.sums, (bandits, arms), rewards)
 
 
+def charged_drafter_times(record: StepRecord, gpu_s: np.ndarray) -> np.ndarray:
+    """[D] what each drafter's pass is charged: the larger of its GPU time ``gpu_s`` and its
+    host-clock time (``record.drafter_wall_s``, when recorded); prompt lookup works on the host
+    and leaves no trace on the GPU's clock, a model drafter's launches may run ahead of the GPU."""
+    gpu_s = np.asarray(gpu_s, dtype=np.float64)
+    return gpu_s if record.drafter_wall_s is None else np.maximum(gpu_s, np.asarray(record.drafter_wall_s, dtype=np.float64))
+
+
 def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
                      cost_model: CostModel | None = None) -> np.ndarray:
     """[A] seconds of the step attributed to each active row (``record.rows``), as the module
@@ -176,9 +184,7 @@ def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
         if wanted.sum() > 0:
             times += record.draft_time_s * wanted / wanted.sum()
         return times
-    drafter_s = record.drafter_time_s
-    if cost_model is None and record.drafter_wall_s is not None:
-        drafter_s = np.maximum(drafter_s, record.drafter_wall_s)  # host-side work (prompt lookup) is invisible to the GPU clock
+    drafter_s = charged_drafter_times(record, record.drafter_time_s) if cost_model is None else None
     for d in np.unique(drafter[wanted > 0]):
         mine = (drafter == d) & (wanted > 0)
         if cost_model is None:
@@ -386,23 +392,19 @@ class BanditPolicy(Policy):
                                rewards[drafted])
 
     def _observe_times(self, record: StepRecord, rows: np.ndarray) -> None:
-        """Joint scope: the step's measured times. A drafter's pass costs the larger of its GPU
-        time and its host-clock time (prompt lookup works on the host and leaves no trace on the
-        GPU's clock; a model drafter's launches may run ahead of the GPU); the rest of the step
-        (its wall time less what the drafters were charged: verification, the commit, the
-        policy) is what every step costs. Without per-drafter times, the draft time is split equally over
-        the drafters that drafted; without a wall time, the verify pass's time is used."""
+        """Joint scope: the step's measured times. A drafter's pass costs what
+        ``charged_drafter_times`` says; the rest of the step (its wall time less what the
+        drafters were charged: verification, the commit, the policy) is what every step costs.
+        Without per-drafter times, the draft time is split equally over the drafters that
+        drafted; without host-clock drafter times, the verify pass's time is used."""
         drafting = rows[self._asked[rows] > 0]
         drafted = np.isin(np.arange(self.bandits.num_arms), self._arms[drafting])  # [D]
-        if record.drafter_time_s is not None:
-            drafter_s = np.asarray(record.drafter_time_s, dtype=np.float64)
-        else:
-            drafter_s = np.where(drafted, record.draft_time_s / max(int(drafted.sum()), 1), 0.0)
+        gpu_s = record.drafter_time_s if record.drafter_time_s is not None else \
+            np.where(drafted, record.draft_time_s / max(int(drafted.sum()), 1), 0.0)
+        drafter_s = charged_drafter_times(record, gpu_s)
         base_s = float(record.verify_time_s)
-        if record.drafter_wall_s is not None:
-            drafter_s = np.maximum(drafter_s, np.asarray(record.drafter_wall_s, dtype=np.float64))
-            if record.step_time_s:  # what is left once each drafter is charged its share
-                base_s = max(float(record.step_time_s) - float(drafter_s[drafter_s > 0].sum()), 0.0)
+        if record.drafter_wall_s is not None and record.step_time_s:  # what is left once each drafter is charged
+            base_s = max(float(record.step_time_s) - float(drafter_s[drafter_s > 0].sum()), 0.0)
         self.step_times.update(base_s, drafter_s, drafted)
 
     def __repr__(self) -> str:
