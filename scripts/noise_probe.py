@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from specdec import generate
-from specdec.bench.affinity import gpu_local_cpus, pinned
+from specdec.bench.affinity import gpu_local_cpus, pinned, torch_threads, warm_gpu
 from specdec.bench.harness import synchronise
 from specdec.drafters import ModelDrafter
 from specdec.policies import FixedPolicy
@@ -46,25 +46,6 @@ class StepClock(FixedPolicy):
     def observe(self, record):
         if record.step_time_s is not None:
             self.step_ms.append(record.step_time_s * 1e3)
-
-
-def gpu_busy(seconds: float) -> None:
-    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(8):
-            x = (x @ x).clamp_(-1, 1)
-        torch.cuda.synchronize()
-
-
-@contextlib.contextmanager
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def main() -> None:
@@ -104,7 +85,7 @@ def main() -> None:
     conditions = {
         "default": contextlib.nullcontext,
         "pinned": lambda: pinned([core]),
-        "one_thread": one_thread,
+        "one_thread": lambda: torch_threads(1),
         "gpu_warm": contextlib.nullcontext,
     }
     names = list(conditions)
@@ -119,7 +100,7 @@ def main() -> None:
                 for k in (0, 4):
                     with conditions[name]():
                         if name == "gpu_warm" and cuda:
-                            gpu_busy(0.05)
+                            warm_gpu("cuda", 0.05)
                         seconds, steps = run(k)
                     passes[(name, k)].append({"s": seconds, "step_ms_median": statistics.median(steps),
                                               "step_ms_p95": float(np.percentile(steps, 95))})

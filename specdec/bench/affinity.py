@@ -1,4 +1,5 @@
-"""CPU placement of the benchmark's host thread.
+"""Timing conditions of the benchmark's passes: where the host thread runs, how many intra-op
+threads torch keeps, and whether the GPU's clocks are up when a pass starts.
 
 At the zoo's sizes a decoding step is host-bound (the H200 runs a graphed step of the target in
 a fraction of the ~1.4 ms the step takes), so a pass's time follows the speed of the core the
@@ -6,8 +7,14 @@ Python thread runs on. Session 4's policy runs ran at two speeds from pass to pa
 Pinning the main thread to one core on the GPU's own NUMA node is the remedy tried here; the
 noise probe (``scripts/noise_probe.py``) measures whether it narrows the spread.
 
-Invariant: pinning changes where the thread runs, never what it computes; ``pinned`` restores
-the previous affinity on exit.
+The probe found two more conditions that narrow the spread (slowest pass over fastest, 10
+passes of batch 16 on one H200): one torch thread (``torch_threads(1)``: no idle intra-op workers
+spinning beside the main thread) 1.09-1.10 against 1.33-1.54 by default, and 50 ms of GPU work
+right before each pass (``warm_gpu``: the GPU clocks down while the host prepares the next pass)
+1.05-1.06; the policy bench applies both by default.
+
+Invariant: these change where and when work runs, never what it computes; each context manager
+restores what it changed on exit.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 from pathlib import Path
+
+import torch
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -79,3 +89,34 @@ def pinned(cpus: list[int] | None):
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None):
+    """torch's intra-op thread count set to ``count`` inside the block (None: left as it is)."""
+    if count is None:
+        yield
+        return
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"torch_threads needs a thread count >= 1 or None, got {count!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def warm_gpu(device: torch.device | str, seconds: float) -> None:
+    """Keep a CUDA device busy with matrix products for about ``seconds`` and wait for them, so
+    its clocks are up when the timed work that follows starts; nothing on other devices or for
+    ``seconds`` <= 0."""
+    device = torch.device(device)
+    if device.type != "cuda" or seconds <= 0:
+        return
+    x = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)  # [2048, 2048]
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            x = (x @ x).clamp_(-1, 1)
+        torch.cuda.synchronize(device)

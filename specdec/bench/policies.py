@@ -63,7 +63,7 @@ from ..runner import runners_of
 from ..verifiers import PaddingFreeVerifier
 from ..workloads import KINDS, STANDARD, WorkloadGenerator, mean_oracle_lookup_tau
 from ..zoo import build, load
-from .affinity import gpu_local_cpus, pinned
+from .affinity import gpu_local_cpus, pinned, torch_threads, warm_gpu
 from .harness import agreement, environment, synchronise
 
 LOOKUP = "prompt lookup"
@@ -98,12 +98,16 @@ class PolicyBenchSettings:
     bandit_times: str = "measured"  # "measured" (CUDA events) or "model" (the cost model's predictions)
     profile_grid: str = "default"  # "default" or "tiny"
     profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile
-    tau_profile_tokens: int = 32
+    # the profile's new tokens per request: at 32 (run 4) it read tau 2.8-3.1 at k=4 against 3.8-4.1
+    # in the 128-token runs (greedy text grows more predictable as it goes on)
+    tau_profile_tokens: int = 64
     tau_profile_repeats: int = 3  # measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median)
     warmup_tokens: int = 8  # new tokens of each untimed warm-up call
     repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
     time_limit_s: float | None = None  # no cell (batch size, workload) starts after this many seconds
     pin_cpu: bool = False  # timed passes with the main thread on one core of the GPU's NUMA node (bench.affinity)
+    timing_threads: int | None = 1  # torch intra-op threads during the timed passes on CUDA (None: as they are)
+    gpu_warmup_ms: float = 30.0  # GPU work right before each timed pass (CUDA only; 0: none)
     seed: int = 0
 
 
@@ -305,42 +309,43 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         log(f"runners built (rows {max_rows}, drafts up to {K}, prompts up to {len(longest)} tokens) "
             f"in {result['timings']['build_runners_s']:.1f} s")
 
-    # 2. the cost model, through the same runners
-    phase = time.perf_counter()
-    grid = profile_grid(settings, [len(p) for p in all_prompts], max_rows, K)
-    cost_model = profile(target, list(drafters.values()), grid=grid, cuda_graphs=graphs, compile=compiled,
-                         step_overhead=True)
-    result["timings"]["profile_s"] = time.perf_counter() - phase
-    result["cost_model"] = {**cost_model.as_dict(), "drafter_names": names, "grid": asdict(grid)}
-    if cost_model_path is not None:
-        cost_model.save(cost_model_path)
-    log(f"{cost_model.describe()}\n(profiled in {result['timings']['profile_s']:.1f} s)")
+    # 2. the cost model, through the same runners (and 3., under the timed passes' thread count)
+    with torch_threads(timing_threads(settings)):
+        phase = time.perf_counter()
+        grid = profile_grid(settings, [len(p) for p in all_prompts], max_rows, K)
+        cost_model = profile(target, list(drafters.values()), grid=grid, cuda_graphs=graphs, compile=compiled,
+                             step_overhead=True)
+        result["timings"]["profile_s"] = time.perf_counter() - phase
+        result["cost_model"] = {**cost_model.as_dict(), "drafter_names": names, "grid": asdict(grid)}
+        if cost_model_path is not None:
+            cost_model.save(cost_model_path)
+        log(f"{cost_model.describe()}\n(profiled in {result['timings']['profile_s']:.1f} s)")
 
-    # 3. a short tau profile per workload on held-out requests: BatchAdaptivePolicy's table (with the
-    # cost model) and GoodputPolicy's cold-start acceptance rate (without one, a policy that starts
-    # at a pessimistic prior may never draft, and so never learn that drafting pays)
-    phase = time.perf_counter()
-    options = {"eos_token_id": eos, "cuda_graphs": graphs, "compile": compiled}
-    context = int(np.mean([len(p) for p in all_prompts])) + settings.max_new_tokens // 2
-    tables, priors, result["tau_profile"] = {}, {}, {}
-    for name in settings.workloads:
-        expected = profile_expected_tokens(target, drafters[policy_drafter], held_out[name].prompts(),
-                                           range(1, settings.max_draft_tokens + 1), settings.tau_profile_tokens,
-                                           batch_size=max_rows, **options)
-        # the table from measured rounds at the experiment's batch sizes (the paper's short profile);
-        # the fitted cost model under-predicted speculative steps at batch 64 in the first H200 run
-        policy = BatchAdaptivePolicy.from_measurements(
-            target, drafters[policy_drafter], held_out[name].prompts(), batch_sizes=sorted(set(batch_sizes)),
-            draft_lengths=sorted({0, 1, 2, 3, 4, 6, settings.max_draft_tokens}), max_new_tokens=settings.tau_profile_tokens,
-            repeats=settings.tau_profile_repeats, **options)
-        tables[name], priors[name] = policy.table, rate_from_expected_tokens(expected)
-        result["tau_profile"][name] = {"expected_tokens": {str(k): v for k, v in expected.items()},
-                                       "acceptance_rate": priors[name], "context_len": context,
-                                       "batch_adaptive_table": {str(b): s for b, s in policy.table.items()},
-                                       "batch_adaptive_profile": policy.profile}
-        log(f"tau profile {name}: {', '.join(f'k={k}: {v:.2f}' for k, v in expected.items())}; fitted acceptance "
-            f"rate {priors[name]:.3f}; BatchAdaptivePolicy table {policy.table}")
-    result["timings"]["tau_profile_s"] = time.perf_counter() - phase
+        # 3. a short tau profile per workload on held-out requests: BatchAdaptivePolicy's table (with the
+        # cost model) and GoodputPolicy's cold-start acceptance rate (without one, a policy that starts
+        # at a pessimistic prior may never draft, and so never learn that drafting pays)
+        phase = time.perf_counter()
+        options = {"eos_token_id": eos, "cuda_graphs": graphs, "compile": compiled}
+        context = int(np.mean([len(p) for p in all_prompts])) + settings.max_new_tokens // 2
+        tables, priors, result["tau_profile"] = {}, {}, {}
+        for name in settings.workloads:
+            expected = profile_expected_tokens(target, drafters[policy_drafter], held_out[name].prompts(),
+                                               range(1, settings.max_draft_tokens + 1), settings.tau_profile_tokens,
+                                               batch_size=max_rows, **options)
+            # the table from measured rounds at the experiment's batch sizes (the paper's short profile);
+            # the fitted cost model under-predicted speculative steps at batch 64 in the first H200 run
+            policy = BatchAdaptivePolicy.from_measurements(
+                target, drafters[policy_drafter], held_out[name].prompts(), batch_sizes=sorted(set(batch_sizes)),
+                draft_lengths=sorted({0, 1, 2, 3, 4, 6, settings.max_draft_tokens}), max_new_tokens=settings.tau_profile_tokens,
+                repeats=settings.tau_profile_repeats, **options)
+            tables[name], priors[name] = policy.table, rate_from_expected_tokens(expected)
+            result["tau_profile"][name] = {"expected_tokens": {str(k): v for k, v in expected.items()},
+                                           "acceptance_rate": priors[name], "context_len": context,
+                                           "batch_adaptive_table": {str(b): s for b, s in policy.table.items()},
+                                           "batch_adaptive_profile": policy.profile}
+            log(f"tau profile {name}: {', '.join(f'k={k}: {v:.2f}' for k, v in expected.items())}; fitted acceptance "
+                f"rate {priors[name]:.3f}; BatchAdaptivePolicy table {policy.table}")
+        result["timings"]["tau_profile_s"] = time.perf_counter() - phase
     save(result)
 
     # 4. the runs, one cell (batch size, workload) at a time, every method's passes interleaved
@@ -391,6 +396,12 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     return result
 
 
+def timing_threads(settings: PolicyBenchSettings) -> int | None:
+    """The torch thread count for timed work: ``timing_threads`` on CUDA; None (as they are) on a
+    CPU, where the intra-op threads do the work."""
+    return settings.timing_threads if torch.device(settings.device).type == "cuda" else None
+
+
 def timing_cpus(settings: PolicyBenchSettings) -> list[int] | None:
     """--pin-cpu: one core of the GPU's NUMA node (the middle one listed), else None (unpinned)."""
     if not settings.pin_cpu:
@@ -411,7 +422,8 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     synchronised around it and the garbage collector paused during it (a collection lands on
     whichever pass it happens to fall in); one full collection per cell, after which the objects
     alive are frozen out of later collections. With ``cpus`` (``timing_cpus``) the rounds run
-    with the main thread on those CPUs. A method that raises gets an
+    with the main thread on those CPUs; they run with ``timing_threads`` torch threads, and each
+    pass starts after ``gpu_warmup_ms`` of GPU work (bench.affinity). A method that raises gets an
     error row and takes no further part."""
     chunk_starts = range(0, len(prompts), batch)
     chunks = [prompts[i : i + batch] for i in chunk_starts]
@@ -436,7 +448,7 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     rotation = max(1, n // settings.repeats)  # each round starts this many methods further on
     order = [(i + r * rotation) % n for r in range(settings.repeats) for i in range(n)]
     try:
-        with pinned(cpus):
+        with pinned(cpus), torch_threads(timing_threads(settings)):
             for index in order:
                 if index in errors:
                     continue
@@ -445,6 +457,7 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
                 tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
                 started = time.perf_counter()
                 try:
+                    warm_gpu(settings.device, settings.gpu_warmup_ms / 1e3)
                     gc.disable()
                     synchronise(settings.device)
                     started = time.perf_counter()
@@ -634,6 +647,18 @@ def fastest_pass_rows(rows: list[dict]) -> list[dict]:
             else r for r in rows]
 
 
+def timing_conditions(settings: dict, cpus: list[int] | None) -> str:
+    """One line on how the passes were timed (results written before a setting existed: its old
+    behaviour, i.e. threads as they were and no GPU warm-up)."""
+    threads = settings.get("timing_threads")
+    warmup = settings.get("gpu_warmup_ms", 0.0)
+    on_cuda = str(settings.get("device", "")).startswith("cuda")
+    return (f"Timing: {settings.get('repeats', '?')} passes per run, tokens/s from the median pass; "
+            f"{'main thread pinned to CPU ' + ','.join(map(str, cpus)) if cpus else 'main thread unpinned'}; "
+            f"{str(threads) + ' torch thread(s)' if threads and on_cuda else 'torch threads as they were'}; "
+            f"{f'{warmup:g} ms of GPU work before each pass' if warmup and on_cuda else 'no GPU warm-up before a pass'}.")
+
+
 def markdown(result: dict) -> str:
     env, settings = result["environment"], result["settings"]
     hardware = env.get("gpu", env.get("cpu", "?"))
@@ -651,6 +676,7 @@ def markdown(result: dict) -> str:
         f"{settings['max_new_tokens']} new tokens, greedy; batch 1: {settings['batch1_prompts']} requests one call "
         f"each; batch B: max(B, {settings['num_prompts']}) requests in calls of B. "
         "Every output is compared token for token with plain decoding of the same requests at the same batch size."),
+        timing_conditions(settings, result.get("timing_cpus")),
         "",
     ]
     for i, part in enumerate(result.get("parts", [])):
@@ -903,6 +929,10 @@ def parser() -> argparse.ArgumentParser:
                    help="measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median); --quick: 1")
     p.add_argument("--pin-cpu", action="store_true",
                    help="time the passes with the main thread pinned to one core on the GPU's NUMA node")
+    p.add_argument("--timing-threads", type=int, default=d.timing_threads,
+                   help="torch intra-op threads during the timed passes on CUDA (0: leave as they are)")
+    p.add_argument("--gpu-warmup-ms", type=float, default=d.gpu_warmup_ms,
+                   help="milliseconds of GPU work right before each timed pass (CUDA; 0: none)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="merge results of the same experiment at different batch sizes into one report (no run)")
     p.add_argument("--name", default=None, help="file stem of the written results")
@@ -926,7 +956,10 @@ def settings_from(args) -> PolicyBenchSettings:
         policy_drafter=args.policy_drafter, goodput_decide_every=args.goodput_decide_every,
         bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed,
         repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats,
-        tau_profile_tokens=args.tau_profile_tokens)
+        tau_profile_tokens=args.tau_profile_tokens, timing_threads=args.timing_threads or None,
+        gpu_warmup_ms=args.gpu_warmup_ms)
+    if (args.timing_threads or 0) < 0 or args.gpu_warmup_ms < 0:
+        raise SystemExit(f"--timing-threads and --gpu-warmup-ms must be >= 0, got {args.timing_threads} and {args.gpu_warmup_ms}")
     if settings.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {settings.repeats}")
     if settings.tau_profile_repeats < 1 or settings.tau_profile_tokens < 1:
@@ -936,7 +969,7 @@ def settings_from(args) -> PolicyBenchSettings:
         defaults = parser().parse_args([])
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
                  "num_model_drafters": 1, "profile_grid": "tiny", "repeats": 1,
-                 "prompt_tokens": 128, "tau_profile_repeats": 1}
+                 "prompt_tokens": 128, "tau_profile_repeats": 1, "tau_profile_tokens": 32}
         chosen = {k: v for k, v in quick.items() if getattr(args, k) == getattr(defaults, k)}
         settings = replace(settings, **chosen, profile_prompts=4, max_new_tokens=min(settings.max_new_tokens, 32))
     unknown = set(settings.workloads) - set(STANDARD)

@@ -35,7 +35,11 @@ Searches:
 Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
 every row decodes plainly this step. Acceptance is estimated online (EMA 0.85/0.15 or a window
 of 100 steps, cold start at ``prior``); a row that does not draft drifts back towards the prior
-(``revisit``), so a run of rejections does not switch it off for good. The step-time model is
+(``revisit``), so a run of rejections does not switch it off for good. Across generate() calls
+the policy learns its cold start (``learn_prior``): a call's rows start at the acceptance pooled
+over the earlier calls' judged draft tokens (an empirical-Bayes prior, the given ``prior`` worth
+PRIOR_TRIALS of them, each call's counts halved at the next), so a run of batch-1 calls does not
+re-learn the workload's acceptance from the given prior in every request. The step-time model is
 corrected online by measured wall times (StepTimeCalibration: medians of recent steps), per
 bucket of active rows: the fitted model can under-predict what drafting costs at a large batch,
 and a batch's straggling last rows are a different trade-off from its first 64.
@@ -65,6 +69,37 @@ from .cost_model import CostModel
 
 SEARCHES = ("exact", "greedy", "uniform")
 CATCH_UP_STEPS = 2  # a drafting step after more idle steps than this is not calibrated on (drafter catch-up)
+PRIOR_TRIALS = 16.0  # learn_prior: what the given prior weighs, in judged draft tokens
+PRIOR_DECAY = 0.5  # learn_prior: what an earlier call's counts keep at each new call
+
+
+class LearnedPrior:
+    """A cold-start acceptance rate learnt over generate() calls: (w p + S) / (w + T), p the given
+    prior worth w = PRIOR_TRIALS judged tokens, S and T the accepted and judged draft tokens of the
+    earlier calls, each call's counts multiplied by PRIOR_DECAY at every new call (recent calls
+    weigh most, so a change of workload is followed within a few calls).
+
+    Invariant: the rate lies in [0, 1] and is the given prior until a draft token has been judged."""
+
+    def __init__(self, prior: float):
+        self.given = float(prior)
+        self.successes = self.trials = 0.0  # of the calls so far, decayed
+        self._call_successes = self._call_trials = 0.0  # of the current call
+
+    @property
+    def rate(self) -> float:
+        return (PRIOR_TRIALS * self.given + self.successes) / (PRIOR_TRIALS + self.trials)
+
+    def add(self, successes: float, trials: float) -> None:
+        """Judged draft tokens of the current call (accepted ones and trials, StepCounts' rules)."""
+        self._call_successes += float(successes)
+        self._call_trials += float(trials)
+
+    def new_call(self) -> None:
+        """Fold the finished call's counts in, older calls' halved (PRIOR_DECAY)."""
+        self.successes = PRIOR_DECAY * self.successes + self._call_successes
+        self.trials = PRIOR_DECAY * self.trials + self._call_trials
+        self._call_successes = self._call_trials = 0.0
 
 
 @dataclass
@@ -322,7 +357,7 @@ class GoodputPolicy(Policy):
     def __init__(self, cost_model: CostModel, max_draft_tokens: int = 8, search: str = "exact", drafter_index: int = 0,
                  min_gain: float = 0.10, decide_every: int = 1, prior: float = 0.5, estimator: str = "ema",
                  window: int = 100, per_position: bool = False, calibrate: bool = True, revisit: float = 0.05,
-                 reprobe_after: int = 64):
+                 reprobe_after: int = 64, learn_prior: bool = True):
         """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);
         search: "exact", "greedy" (per-row lengths) or "uniform" (one length for the batch);
         min_gain: how much speculation must beat plain decoding by; decide_every: steps between
@@ -339,7 +374,9 @@ class GoodputPolicy(Policy):
         the way back to the prior, so a row switched off by a run of rejections is tried again
         (after about 1 / revisit steps) when the prior says drafting pays; 0 never revisits;
         reprobe_after: after this many steps in a row without drafting at a batch size, forget
-        the measured drafting cost there and let the model decide (and measure) again; 0 never."""
+        the measured drafting cost there and let the model decide (and measure) again; 0 never;
+        learn_prior: start each generate() call's rows at the acceptance learnt over the earlier
+        calls (LearnedPrior) rather than at ``prior`` every time."""
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 1:
@@ -358,7 +395,11 @@ class GoodputPolicy(Policy):
         self._max_draft_tokens = int(max_draft_tokens)
         self.min_gain, self.decide_every, self.per_position = float(min_gain), int(decide_every), per_position
         self.revisit, self.reprobe_after = float(revisit), int(reprobe_after)
-        self._estimator_options = {"prior": prior, "mode": estimator, "window": window, "positions": per_position}
+        if isinstance(prior, bool) or not isinstance(prior, (int, float, np.integer, np.floating)) or not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be one acceptance rate in [0, 1], got {prior!r}")
+        self._estimator_options = {"mode": estimator, "window": window, "positions": per_position}
+        self.learned_prior = LearnedPrior(prior) if learn_prior else None
+        self._given_prior = float(prior)
         # the EMA of pooled rates learns from each interval's counts at once (StepCounts); the
         # other estimators replay the interval's steps one by one
         self._pooled = estimator == "ema" and not per_position
@@ -374,18 +415,26 @@ class GoodputPolicy(Policy):
     def max_draft_tokens(self) -> int:
         return self._max_draft_tokens
 
+    @property
+    def cold_start_rate(self) -> float:
+        """The acceptance rate the next generate() call's rows start at (and relax back to)."""
+        return self.learned_prior.rate if self.learned_prior is not None else self._given_prior
+
     def plan(self, batch, num_drafters):
         if batch is not self._batch:
             if self.drafter_index >= num_drafters:
                 raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
             if self._batch is not None:
                 self._learn()  # the last call's last steps: the calibration is kept across calls
+                if self.learned_prior is not None:
+                    self.learned_prior.new_call()
             self._batch, self._steps, self._next_decision = batch, 0, 0
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
             # the step each row last drafted: a model drafter's step also feeds it every token it
             # missed since (the whole prompt the first time), so such steps are not calibrated on
             self._last_drafted = np.full(batch.num_rows, -(1 << 40), dtype=np.int64)
-            self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens, **self._estimator_options)
+            self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens,
+                                                 prior=self.cold_start_rate, **self._estimator_options)
             self._decision, self._records = None, []
         if self._steps >= self._next_decision:
             self._learn()
@@ -426,9 +475,13 @@ class GoodputPolicy(Policy):
         records, self._records = self._records, []
         if not records:
             return
-        if self._pooled:
+        counts = None
+        if self._pooled or self.learned_prior is not None:
             counts = StepCounts(len(self._asked))
             counts.add_steps(records, self._asked)
+            if self.learned_prior is not None:
+                self.learned_prior.add(counts.successes.sum(), counts.trials.sum())
+        if self._pooled:
             self.estimator.update_counts(counts, self.drafter_index)
             if self.revisit > 0:
                 idle = np.flatnonzero(counts.idle_steps)

@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-from specdec.bench.affinity import gpu_local_cpus, parse_cpulist, pinned
+import torch
+
+from specdec.bench.affinity import gpu_local_cpus, parse_cpulist, pinned, torch_threads, warm_gpu
 
 
 def test_parse_cpulist_ranges_and_singles():
@@ -61,3 +63,36 @@ def test_gpu_local_cpus_reads_the_devices_numa_cpus(monkeypatch):
     monkeypatch.setattr(affinity, "Path", FakePath)
     assert gpu_local_cpus(0) == [allowed[-1]]
     assert read == ["/sys/bus/pci/devices/0000:19:00.0/local_cpulist"]
+
+
+def test_torch_threads_sets_the_count_and_restores_it():
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    with torch_threads(other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="thread count"):
+            with torch_threads(bad):
+                pass
+    assert torch.get_num_threads() == before
+
+
+def test_warm_gpu_does_nothing_off_cuda(monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("warm_gpu made a tensor for a CPU device")
+
+    monkeypatch.setattr(torch, "randn", no_work)
+    warm_gpu("cpu", 10.0)
+    warm_gpu("cuda", 0.0)
+
+
+@pytest.mark.cuda
+def test_warm_gpu_keeps_the_gpu_busy_for_the_time_asked():
+    import time
+
+    started = time.perf_counter()
+    warm_gpu("cuda", 0.05)
+    assert time.perf_counter() - started >= 0.05

@@ -212,9 +212,23 @@ def test_the_profile_and_pinning_options_reach_the_settings():
     settings = settings_from(parser().parse_args(["--tau-profile-tokens", "128", "--profile-repeats", "5", "--pin-cpu"]))
     assert (settings.tau_profile_tokens, settings.tau_profile_repeats, settings.pin_cpu) == (128, 5, True)
     default = settings_from(parser().parse_args([]))
-    assert (default.tau_profile_tokens, default.tau_profile_repeats, default.pin_cpu, default.prompt_tokens) == (32, 3, False, 256)
+    assert (default.tau_profile_tokens, default.tau_profile_repeats, default.pin_cpu, default.prompt_tokens) == (64, 3, False, 256)
     quick = settings_from(parser().parse_args(["--quick", "--profile-repeats", "2"]))
-    assert quick.tau_profile_repeats == 2 and quick.prompt_tokens == 128
+    assert quick.tau_profile_repeats == 2 and quick.prompt_tokens == 128 and quick.tau_profile_tokens == 32
     for option in ("--tau-profile-tokens", "--profile-repeats", "--repeats"):
         with pytest.raises(SystemExit, match="must be >= 1"):
             settings_from(parser().parse_args([option, "0"]))
+
+
+def test_the_timing_condition_options_reach_the_settings():
+    """By default the timed passes run with one torch thread and 30 ms of GPU work before each;
+    --timing-threads 0 leaves the threads alone; negative values are refused."""
+    from specdec.bench.policies import parser, settings_from
+
+    default = settings_from(parser().parse_args([]))
+    assert (default.timing_threads, default.gpu_warmup_ms) == (1, 30.0)
+    chosen = settings_from(parser().parse_args(["--timing-threads", "0", "--gpu-warmup-ms", "0"]))
+    assert (chosen.timing_threads, chosen.gpu_warmup_ms) == (None, 0.0)
+    for option in ("--timing-threads", "--gpu-warmup-ms"):
+        with pytest.raises(SystemExit, match="must be >= 0"):
+            settings_from(parser().parse_args([option, "-1"]))

@@ -311,3 +311,41 @@ def test_goodput_probes_as_briefly_when_deciding_every_16_steps():
 
     every_step = drafting_steps(1)
     assert every_step <= 80 and drafting_steps(16) <= every_step + 8
+
+
+def test_learned_prior_pools_judged_tokens_over_calls_with_decay():
+    from specdec.policies.goodput import PRIOR_DECAY, PRIOR_TRIALS, LearnedPrior
+
+    prior = LearnedPrior(0.5)
+    prior.add(30, 40)
+    assert prior.rate == 0.5  # the current call's counts count from the next call on
+    prior.new_call()
+    assert prior.rate == pytest.approx((PRIOR_TRIALS * 0.5 + 30) / (PRIOR_TRIALS + 40))
+    prior.add(0, 10)
+    prior.new_call()
+    successes, trials = PRIOR_DECAY * 30, PRIOR_DECAY * 40 + 10
+    assert prior.rate == pytest.approx((PRIOR_TRIALS * 0.5 + successes) / (PRIOR_TRIALS + trials))
+
+
+@pytest.mark.parametrize("learn_prior", [True, False])
+def test_goodput_policy_starts_a_new_call_at_the_acceptance_of_the_last(learn_prior):
+    """One call in which every drafted token is accepted: the next call's rows start at the pooled
+    rate (given prior 0.3 worth PRIOR_TRIALS tokens, then the call's), without learn_prior at 0.3."""
+    from specdec.policies.goodput import PRIOR_TRIALS
+
+    model = CostModel.from_coefficients(1.0, 0.01, drafters=[{"tokens": 0.01}])  # drafting pays at any rate
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.3, calibrate=False, learn_prior=learn_prior)
+    first = BatchState([np.arange(10)] * 2, 50, np.arange(2), np.zeros(0, dtype=np.int64))
+    judged = 0
+    for _ in range(5):
+        asked = policy.plan(first, 1).num_draft_tokens
+        assert asked.min() > 0
+        judged += int(asked.sum())
+        policy.observe(_record(asked, asked + 1, 1.0))
+    second = BatchState([np.arange(10)] * 3, 50, np.arange(3), np.zeros(0, dtype=np.int64))
+    policy.plan(second, 1)
+    expected = (PRIOR_TRIALS * 0.3 + judged) / (PRIOR_TRIALS + judged) if learn_prior else 0.3
+    assert policy.cold_start_rate == pytest.approx(expected)
+    assert policy.estimator.rate(0).tolist() == pytest.approx([expected] * 3)
+    with pytest.raises(ValueError, match="prior"):
+        GoodputPolicy(model, prior=[0.3])
