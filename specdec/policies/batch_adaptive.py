@@ -10,7 +10,11 @@ acceptance rate) and T(b, s) = s * T_draft(b) + T_target(b, s + 1) the round tim
 
     s*(b) = argmax_s b * l(s) / T(b, s)      (ties: the shorter draft).
 
-``build_table`` computes this for every b; each step the policy looks up the number of active
+``build_table`` computes this for every b. From a measured profile (``from_measurements``) the
+table takes, by default, the length of highest measured tokens per second of whole calls at b
+(``table_from_throughput``): ``generate()`` runs static batches, which last until their slowest
+row is done, and the per-step formula above, which assumes a batch kept full, picked k = 8 at
+batch 64 in run 5 where k = 4 was 1.22x faster. Each step the policy looks up the number of active
 rows: the entry of the nearest tabulated batch size on a log scale. With a CostModel, T(b, s)
 is the model's drafter time for b rows drafting s tokens plus its verify time for b rows of
 s + 1 tokens at a stated context length (the paper's known gap: the table ignores how context
@@ -73,6 +77,18 @@ def build_table(batch_sizes: Sequence[int], expected_tokens: Mapping[int, float]
         throughput = b * per_row / seconds
         table[b] = int(lengths[np.argmax(throughput)])  # first maximum: the shorter draft
     return table
+
+
+def table_from_throughput(tokens_per_s: Mapping[tuple[int, int], float]) -> dict[int, int]:
+    """{b: s*(b)}: for each batch size b, the length s of highest measured tokens per second
+    ``tokens_per_s[(b, s)]`` (ties: the shorter draft)."""
+    table: dict[int, tuple[float, int]] = {}
+    for (b, s), value in sorted(tokens_per_s.items()):
+        if int(b) < 1 or int(s) < 0 or not value > 0:
+            raise ValueError(f"need batch sizes >= 1, lengths >= 0 and positive throughputs, got {(b, s)}: {value}")
+        if int(b) not in table or value > table[int(b)][0]:
+            table[int(b)] = (float(value), int(s))
+    return {b: s for b, (_, s) in table.items()}
 
 
 def switch_points(sizes: Sequence[int]) -> list[float]:
@@ -138,7 +154,11 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
     length's), and a length's time is the median over its rounds.
 
     -> (l(s): tau pooled over every call, {(b, s): measured seconds per decoding step, the
-    median over rounds of each round's pooled calls}).
+    median over rounds of each round's pooled calls}, {(b, s): measured tokens per second of
+    the calls, emitted tokens over decoding time, the median over rounds}). The last is what a
+    static batch delivers: a call lasts until its slowest row is done, so a longer draft that
+    raises tau without shortening the slowest row's steps only makes the steps dearer, which
+    tau / seconds per step does not see (run 5: 53 steps at batch 64 for k = 4, 6 and 8 alike).
     """
     from ..generate import generate  # the loop imports the policies package
     from .fixed import FixedPolicy
@@ -149,6 +169,7 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
     emitted: dict[int, float] = {}
     row_steps: dict[int, float] = {}
     rounds: dict[tuple[int, int], list[float]] = {}
+    throughput_rounds: dict[tuple[int, int], list[float]] = {}
     for b in batch_sizes:
         b = int(b)
         if b >= len(prompts):
@@ -157,7 +178,7 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
             calls = [prompts[i : i + b] for i in range(0, len(prompts) - b + 1, b)]  # whole calls of b only
         for _ in range(repeats):
             for s in draft_lengths:
-                decoding_s = steps = 0.0
+                decoding_s = steps = call_tokens = 0.0
                 for chosen in calls:
                     out = generate(target, chosen, drafter=drafter if s > 0 else None, policy=FixedPolicy(int(s)),
                                    max_new_tokens=max_new_tokens, **generate_options)
@@ -165,11 +186,14 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
                     decoding_s += stats.wall_time_s - stats.prefill_time_s
                     steps += stats.steps
                     call_emitted, call_row_steps = _emitted_and_row_steps(stats)
+                    call_tokens += call_emitted
                     emitted[int(s)] = emitted.get(int(s), 0.0) + call_emitted
                     row_steps[int(s)] = row_steps.get(int(s), 0.0) + call_row_steps
                 rounds.setdefault((b, int(s)), []).append(decoding_s / steps)
+                throughput_rounds.setdefault((b, int(s)), []).append(call_tokens / decoding_s)
     seconds = {key: float(np.median(times)) for key, times in rounds.items()}
-    return {s: emitted[s] / row_steps[s] for s in emitted}, seconds
+    tokens_per_s = {key: float(np.median(values)) for key, values in throughput_rounds.items()}
+    return {s: emitted[s] / row_steps[s] for s in emitted}, seconds, tokens_per_s
 
 
 class BatchAdaptivePolicy(Policy):
@@ -206,15 +230,28 @@ class BatchAdaptivePolicy(Policy):
     @classmethod
     def from_measurements(cls, target, drafter, prompts, batch_sizes: Sequence[int] = (1, 4, 16, 64),
                           draft_lengths: Sequence[int] = (0, 1, 2, 3, 4, 6, 8), max_new_tokens: int = 32,
-                          drafter_index: int = 0, repeats: int = 1, **generate_options) -> BatchAdaptivePolicy:
-        """The table from measured round times and tau (``measure_round_times``, ``repeats``
-        rounds per length) rather than a fitted cost model: what the paper's short profile
-        before serving does. Lookups between the measured batch sizes take the nearest one on a
-        log scale, as always."""
-        expected, seconds = measure_round_times(target, drafter, prompts, batch_sizes, draft_lengths,
-                                                max_new_tokens, repeats=repeats, **generate_options)
-        policy = cls(build_table(batch_sizes, expected, lambda b, s: seconds[(int(b), int(s))]), drafter_index)
-        policy.profile = {"expected_tokens": expected, "seconds_per_step": {f"{b},{s}": t for (b, s), t in seconds.items()}}
+                          drafter_index: int = 0, repeats: int = 1, objective: str = "calls",
+                          **generate_options) -> BatchAdaptivePolicy:
+        """The table from a measured profile (``measure_round_times``, ``repeats`` rounds per
+        length) rather than a fitted cost model: what the paper's short profile before serving
+        does. By default (``objective="calls"``) each batch size gets the length of highest
+        measured tokens per second of whole calls (table_from_throughput), which counts a static
+        batch's slowest rows; ``objective="steps"`` takes b * l(s) / T(b, s) from the measured tau
+        and seconds per step instead (build_table: the per-step throughput of a batch kept full,
+        as under continuous batching). Lookups between the measured batch sizes take the nearest
+        one on a log scale, as always."""
+        if objective not in ("calls", "steps"):
+            raise ValueError(f"objective must be 'calls' or 'steps', got {objective!r}")
+        expected, seconds, tokens_per_s = measure_round_times(target, drafter, prompts, batch_sizes, draft_lengths,
+                                                              max_new_tokens, repeats=repeats, **generate_options)
+        if objective == "calls":
+            table = table_from_throughput(tokens_per_s)
+        else:
+            table = build_table(batch_sizes, expected, lambda b, s: seconds[(int(b), int(s))])
+        policy = cls(table, drafter_index)
+        policy.profile = {"objective": objective, "expected_tokens": expected,
+                          "seconds_per_step": {f"{b},{s}": t for (b, s), t in seconds.items()},
+                          "tokens_per_s": {f"{b},{s}": v for (b, s), v in tokens_per_s.items()}}
         return policy
 
     @property

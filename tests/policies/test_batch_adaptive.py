@@ -111,9 +111,11 @@ def test_bad_tables():
         BatchAdaptivePolicy.from_cost_model(CostModel.from_coefficients(1.0, 0.1, drafters=[{}]))
 
 
-def test_the_table_from_measurements_is_the_measured_argmax():
+@pytest.mark.parametrize("objective", ["calls", "steps"])
+def test_the_table_from_measurements_is_the_measured_argmax(objective):
     """from_measurements times real generate() rounds (tiny CPU models) and picks, per batch
-    size, the length of highest measured throughput b * l(s) / T(b, s)."""
+    size, the length of highest measured throughput: of whole calls (objective "calls"), or
+    b * l(s) / T(b, s) from tau and seconds per step ("steps")."""
     import torch
 
     from specdec.drafters import ModelDrafter
@@ -123,12 +125,54 @@ def test_the_table_from_measurements_is_the_measured_argmax():
     drafter = ModelDrafter(perturbed_copy(target, 0.05))
     prompts = random_prompts(4, target.config.vocab_size, seed=3)
     policy = BatchAdaptivePolicy.from_measurements(target, drafter, prompts, batch_sizes=(1, 4), draft_lengths=(0, 2, 4),
-                                                   max_new_tokens=8)
+                                                   max_new_tokens=8, objective=objective)
     expected, seconds = policy.profile["expected_tokens"], policy.profile["seconds_per_step"]
     assert set(expected) == {0, 2, 4} and expected[0] == 1.0 and expected[4] > 1.0
+    assert policy.profile["objective"] == objective
     for b in (1, 4):
-        throughput = {s: b * expected[s] / seconds[f"{b},{s}"] for s in (0, 2, 4)}
+        if objective == "steps":
+            throughput = {s: b * expected[s] / seconds[f"{b},{s}"] for s in (0, 2, 4)}
+        else:
+            throughput = {s: policy.profile["tokens_per_s"][f"{b},{s}"] for s in (0, 2, 4)}
         assert policy.table[b] == max(throughput, key=throughput.get)
+    with pytest.raises(ValueError, match="objective"):
+        BatchAdaptivePolicy.from_measurements(target, drafter, prompts, objective="rows")
+
+
+def test_the_table_from_call_throughput_counts_the_slowest_row(monkeypatch):
+    """Static batches: at batch 4 a longer draft raises tau (every row but one emits more per
+    step) but the slowest row still needs 10 steps, and each step costs more. Per step the
+    longer draft looks better; per call it is slower. The "calls" table picks the shorter one,
+    the "steps" table the longer; at batch 1 (no other rows to wait for) both agree."""
+    import sys
+    from types import SimpleNamespace
+
+    from specdec.policies.batch_adaptive import measure_round_times, table_from_throughput
+
+    def fake_generate(target, prompts, drafter=None, policy=None, max_new_tokens=0, **_):
+        s = policy.num_draft_tokens
+        fast_steps = {0: 20, 2: 5, 6: 3}[s]  # the other rows finish sooner with the longer draft
+        slow_steps = {0: 20, 2: 10, 6: 10}[s]  # the slowest row needs 10 steps with either draft
+        per_step = {0: 0.8, 2: 1.0, 6: 1.25}[s]
+        rows = [SimpleNamespace(emitted=20, steps=fast_steps) for _ in prompts[1:]]
+        if len(prompts) == 1:
+            rows.append(SimpleNamespace(emitted=20, steps=fast_steps))
+        else:
+            rows.append(SimpleNamespace(emitted=20, steps=slow_steps))
+        steps = max(r.steps for r in rows)
+        return SimpleNamespace(stats=SimpleNamespace(wall_time_s=steps * per_step, prefill_time_s=0.0, steps=steps,
+                                                     requests=rows))
+
+    monkeypatch.setattr(sys.modules["specdec.generate"], "generate", fake_generate)
+    prompts = [[1, 2]] * 4
+    expected, seconds, tokens_per_s = measure_round_times(None, object(), prompts, batch_sizes=(1, 4),
+                                                          draft_lengths=(0, 2, 6), max_new_tokens=20)
+    assert tokens_per_s[(4, 2)] == pytest.approx(80 / 10.0) and tokens_per_s[(4, 6)] == pytest.approx(80 / 12.5)
+    assert table_from_throughput(tokens_per_s) == {1: 6, 4: 2}
+    assert build_table((1, 4), expected, lambda b, s: seconds[(b, s)]) == {1: 6, 4: 6}
+    assert table_from_throughput({(4, 2): 3.0, (4, 6): 3.0}) == {4: 2}  # ties: the shorter draft
+    with pytest.raises(ValueError, match="positive"):
+        table_from_throughput({(4, 2): 0.0})
 
 
 def test_measured_rounds_at_batch_1_cover_every_prompt():
@@ -145,7 +189,8 @@ def test_measured_rounds_at_batch_1_cover_every_prompt():
     target = make_model("llama", dtype=torch.float32)
     drafter = ModelDrafter(perturbed_copy(target, 0.3))
     prompts = random_prompts(5, target.config.vocab_size, seed=8)
-    expected, seconds = measure_round_times(target, drafter, prompts, batch_sizes=(1,), draft_lengths=(3,), max_new_tokens=10)
+    expected, seconds, _ = measure_round_times(target, drafter, prompts, batch_sizes=(1,), draft_lengths=(3,),
+                                               max_new_tokens=10)
     whole = generate(target, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=10).stats
     single = generate(target, prompts[:1], drafter=drafter, policy=FixedPolicy(3), max_new_tokens=10).stats
     assert expected[3] == pytest.approx(whole.tau) and single.tau != pytest.approx(whole.tau)
@@ -174,12 +219,13 @@ def test_measured_rounds_repeat_in_turn_and_take_the_median(monkeypatch):
                                                      requests=requests))
 
     monkeypatch.setattr(sys.modules["specdec.generate"], "generate", fake_generate)
-    expected, seconds = measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,), draft_lengths=(0, 2),
-                                            max_new_tokens=4, repeats=3)
+    expected, seconds, tokens_per_s = measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,),
+                                                          draft_lengths=(0, 2), max_new_tokens=4, repeats=3)
     assert order == [0, 2, 0, 2, 0, 2]
     assert seconds == {(1, 0): pytest.approx(1.0), (1, 2): pytest.approx(1.5)}  # the 5.0 round is out
     mean_of_rounds = (1.5 + 5.0 + 1.5) / 3
     assert seconds[(1, 2)] != pytest.approx(mean_of_rounds)
+    assert tokens_per_s[(1, 2)] == pytest.approx(7 / (4 * 1.5))  # the median round: 7 tokens in 4 steps of 1.5 s
     with pytest.raises(ValueError, match="repeats"):
         measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,), draft_lengths=(0,), repeats=0)
 
