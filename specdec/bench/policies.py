@@ -1,5 +1,5 @@
-"""``python -m specdec bench --policies``: the adaptive policies (GoodputPolicy per-row and
-uniform, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch, and
+"""``python -m specdec bench --policies``: the adaptive policies (GoodputPolicy per-row,
+uniform and finish, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch, and
 joint)
 against every fixed (drafter, length) pair and plain decoding, on copy-heavy, continuation and
 mixed workloads (``specdec.workloads``), at several batch sizes, in one process.
@@ -211,7 +211,7 @@ def methods(settings: PolicyBenchSettings, names: list[str], policy_drafter: str
         for k in sorted(set(settings.lengths) | {settings.bandit_length}):
             found.append(Method(f"fixed {name} k={k}", "fixed", "", (name,), k, lambda w, k=k: FixedPolicy(k)))
     K, every = settings.max_draft_tokens, settings.goodput_decide_every
-    for variant, search in (("per-row", "exact"), ("uniform", "uniform")):
+    for variant, search in (("per-row", "exact"), ("uniform", "uniform"), ("finish", "finish")):
         found.append(Method(f"GoodputPolicy {variant} ({policy_drafter}, k<={K})", "goodput", variant, (policy_drafter,), K,
                             lambda w, search=search: GoodputPolicy(single, max_draft_tokens=K, search=search,
                                                                    decide_every=every, prior=priors[w])))
@@ -609,7 +609,7 @@ def policy_targets(result: dict) -> list[dict]:
         return max(candidates, key=lambda r: r["tokens_per_s"], default=None)
 
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    for variant in ("per-row", "uniform"):
+    for variant in ("per-row", "uniform", "finish"):
         for w in workloads:
             add(f"GoodputPolicy {variant} never more than 3% slower than plain decoding at any batch size",
                 "goodput", variant, w, plain, GOODPUT_VS_PLAIN)

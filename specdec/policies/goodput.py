@@ -31,6 +31,12 @@ Searches:
   Otherwise it is a heuristic (it can stop short when one token does not pay for a drafter
   pass but several would); tests measure how close it gets. Cost O(K A^2) per decision.
 - "uniform": one k for every row (k capped per row by its budget), enumerated 0..K.
+- "finish" (ours, for static batches): one k for every row, the one that minimises the predicted
+  time until every active row is done (call_times: row i needs R_i / E[tau_i](k) more steps, and
+  each stretch between two rows' finishing points costs the step time of the rows still
+  active). generate() runs static batches, which last until their slowest row is done: at
+  batch 64 fixed k = 4 and 6 took the same 53 steps (run 5), so the longer draft only made
+  steps dearer, which per-step goodput does not see.
 
 Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
 every row decodes plainly this step. Acceptance is estimated online (EMA 0.85/0.15 or a window
@@ -67,7 +73,7 @@ from .acceptance import AcceptanceEstimator, StepCounts, marginal_gains
 from .base import Policy
 from .cost_model import CostModel
 
-SEARCHES = ("exact", "greedy", "uniform")
+SEARCHES = ("exact", "greedy", "uniform", "finish")
 CATCH_UP_STEPS = 2  # a drafting step after more idle steps than this is not calibrated on (drafter catch-up)
 PRIOR_TRIALS = 16.0  # learn_prior: what the given prior weighs, in judged draft tokens
 PRIOR_DECAY = 0.5  # learn_prior: what an earlier call's counts keep at each new call
@@ -112,6 +118,7 @@ class LinearStepTime:
     row_cost: np.ndarray | float = 0.0  # [A] or one for all rows
     draft_fixed: float = 0.0
     depth_cost: float = 0.0
+    row_base: np.ndarray | None = None  # [A] what each row adds to the plain step (base - sum: fixed); None: all fixed
 
     def __call__(self, k: np.ndarray) -> np.ndarray:
         """k: [..., A] -> [...] seconds."""
@@ -129,7 +136,8 @@ class LinearStepTime:
         adds scaled by ``extra_scale`` (measured / predicted, see GoodputPolicy)."""
         return LinearStepTime(base=self.base * base_scale, token_cost=self.token_cost * extra_scale,
                               row_cost=np.asarray(self.row_cost) * extra_scale, draft_fixed=self.draft_fixed * extra_scale,
-                              depth_cost=self.depth_cost * extra_scale)
+                              depth_cost=self.depth_cost * extra_scale,
+                              row_base=None if self.row_base is None else self.row_base * base_scale)
 
     @classmethod
     def from_cost_model(cls, cost_model: CostModel, lengths: np.ndarray, drafter_index: int = 0) -> LinearStepTime:
@@ -145,8 +153,9 @@ class LinearStepTime:
         base = float(cost_model.target_time(num_rows, lengths.sum(), num_rows))
         token_cost = target["tokens"] + target["kv_tokens"] + drafter["tokens"] + drafter["kv_tokens"] * lengths
         row_cost = drafter["rows"] + drafter["context_tokens"] * lengths
+        row_base = target["tokens"] + target["rows"] + target["kv_tokens"] * lengths  # [A] one token, one row, its keys
         return cls(base=base, token_cost=token_cost, row_cost=row_cost, draft_fixed=drafter["fixed"],
-                   depth_cost=drafter["steps"])
+                   depth_cost=drafter["steps"], row_base=row_base)
 
 
 def _numerator(gains: np.ndarray, k: np.ndarray) -> float:
@@ -244,17 +253,71 @@ def search_uniform(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
     return k[best].copy()
 
 
+def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, remaining: np.ndarray) -> np.ndarray:
+    """[K + 1] predicted seconds until every active row is done, for each uniform length
+    0..K (capped per row by ``caps``) kept from now on: row i needs remaining_i / E[tau_i](k_i)
+    more steps; between two rows' finishing points the step costs the step time of the rows
+    still active (their plain steps, ``row_base``, and their drafting). A static batch lasts
+    until its slowest row is done, which per-step goodput does not see."""
+    num_rows, max_k = gains.shape
+    cumulative = np.concatenate([np.zeros((num_rows, 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
+    k = np.minimum(caps[None, :], np.arange(max_k + 1)[:, None]).astype(np.int64)  # [K+1, A]
+    steps = np.asarray(remaining, dtype=np.float64)[None, :] / (1.0 + cumulative[np.arange(num_rows)[None, :], k])  # [K+1, A]
+    order = np.argsort(steps, axis=1, kind="stable")  # [K+1, A] rows by finishing point
+    ordered_steps = np.take_along_axis(steps, order, axis=1)
+    segment = np.diff(ordered_steps, axis=1, prepend=0.0)  # [K+1, A] steps while rows order[j:] are active
+
+    def suffix_sum(per_row):  # [K+1, A] per row -> [K+1, A] summed over rows order[j:]
+        return np.flip(np.cumsum(np.flip(np.take_along_axis(per_row, order, axis=1), axis=1), axis=1), axis=1)
+
+    row_base = np.zeros(num_rows) if step_time.row_base is None else np.asarray(step_time.row_base, dtype=np.float64)
+    fixed_base = step_time.base - row_base.sum()
+    row_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))
+    per_row = row_base[None, :] + row_cost[None, :] * (k > 0) + step_time.token_cost[None, :] * k  # [K+1, A]
+    depth = np.flip(np.maximum.accumulate(np.flip(np.take_along_axis(k, order, axis=1), axis=1), axis=1), axis=1)  # [K+1, A]
+    seconds = fixed_base + suffix_sum(per_row) + (depth > 0) * (step_time.draft_fixed + step_time.depth_cost * depth)
+    return (segment * seconds).sum(axis=1)
+
+
+def search_finish(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, remaining: np.ndarray,
+                  tolerance: float = 1e-12) -> np.ndarray:
+    """The single length (capped per row) that finishes every active row soonest (call_times);
+    ties: the shorter."""
+    times = call_times(gains, np.minimum(caps, gains.shape[1]), step_time, remaining)
+    best = 0
+    for length in range(1, len(times)):
+        if times[length] < times[best] * (1 - tolerance):
+            best = length
+    return np.minimum(caps, best).astype(np.int64)
+
+
 SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": search_uniform}
 
 
 def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, search: str = "exact",
-                   min_gain: float = 0.10, start: np.ndarray | None = None) -> tuple[np.ndarray, float, float]:
+                   min_gain: float = 0.10, start: np.ndarray | None = None,
+                   remaining: np.ndarray | None = None) -> tuple[np.ndarray, float, float]:
     """Draft lengths [A] by ``search``, or all zeros unless they beat plain decoding by
-    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding.
-    start: [A] the exact search's starting choice (search_exact)."""
+    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding (per
+    step; for "finish", tokens per second until every row is done).
+    start: [A] the exact search's starting choice (search_exact); remaining: [A] the rows'
+    remaining token budgets ("finish" only)."""
     gains = np.asarray(gains, dtype=np.float64)
     caps = np.minimum(np.asarray(caps, dtype=np.int64), gains.shape[1])
     zeros = np.zeros(len(caps), dtype=np.int64)
+    if search == "finish":
+        if remaining is None or len(remaining) != len(caps):
+            raise ValueError("search='finish' needs every active row's remaining budget (remaining=[A])")
+        if len(caps) == 0:
+            return zeros, float("nan"), float("nan")
+        times = call_times(gains, caps, step_time, remaining)
+        total = float(np.sum(remaining))
+        plain = total / times[0]
+        k = search_finish(gains, caps, step_time, remaining)
+        chosen = total / times[int(k.max(initial=0))]
+        if chosen < (1.0 + min_gain) * plain:
+            return zeros, plain, plain
+        return k, chosen, plain
     plain = goodput_of(gains, zeros, step_time)
     if len(caps) == 0 or caps.max() <= 0:
         return zeros, plain, plain
@@ -359,7 +422,8 @@ class GoodputPolicy(Policy):
                  window: int = 100, per_position: bool = False, calibrate: bool = True, revisit: float = 0.05,
                  reprobe_after: int = 64, learn_prior: bool = True):
         """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);
-        search: "exact", "greedy" (per-row lengths) or "uniform" (one length for the batch);
+        search: "exact", "greedy" (per-row lengths), "uniform" (one length for the batch) or
+        "finish" (one length, the one that finishes every active row soonest: call_times);
         min_gain: how much speculation must beat plain decoding by; decide_every: steps between
         decisions (lengths are kept, capped by each row's budget, in between, and the policy does
         no work until the next decision, which learns from the steps since; fewer steps while a
@@ -449,7 +513,7 @@ class GoodputPolicy(Policy):
         active = batch.active_rows()
         step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index) \
             if len(active) else None
-        self._lengths = self._decide(active, caps, step_time)
+        self._lengths = self._decide(active, caps, step_time, np.asarray(batch.remaining))
         self._asked = np.minimum(self._lengths, caps)  # [B] this interval's lengths
         asked = self._asked > 0
         # a row switched on after more than CATCH_UP_STEPS idle steps makes the interval's first
@@ -516,7 +580,8 @@ class GoodputPolicy(Policy):
         if drafting and decided.any():
             self.calibration.observe_many(step_time, decided, drafting)
 
-    def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None) -> np.ndarray:
+    def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None,
+                remaining: np.ndarray) -> np.ndarray:
         lengths = np.zeros(len(caps), dtype=np.int64)
         if len(active) == 0:
             return lengths
@@ -529,7 +594,8 @@ class GoodputPolicy(Policy):
         if self.calibration is not None:
             step_time = self.calibration.apply(step_time, len(active))
         chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
-            gains, caps[active], step_time, self.search, self.min_gain, start=self._lengths[active])
+            gains, caps[active], step_time, self.search, self.min_gain, start=self._lengths[active],
+            remaining=remaining[active])
         lengths[active] = chosen
         return lengths
 

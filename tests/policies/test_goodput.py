@@ -154,3 +154,59 @@ def test_policy_refuses_what_it_cannot_time():
         GoodputPolicy(CostModel.from_coefficients(1.0, 0.1, drafters=[{}]), search="beam")
     with pytest.raises(TypeError):
         GoodputPolicy({"c_fixed": 1.0})
+
+
+def simulated_call_time(model, lengths, gains, caps, remaining, length):
+    """Seconds until every row is done with one length (capped per row) kept throughout: rows
+    finish after remaining_i / E[tau_i] steps, and each stretch between finishing points costs
+    CostModel.step_time over the rows still active (computed here from the model directly)."""
+    k = np.minimum(caps, length)
+    expected = 1 + np.array([gains[i, : k[i]].sum() for i in range(len(k))])
+    steps = remaining / expected
+    total, done = 0.0, 0.0
+    for point in sorted(set(steps.tolist())):
+        active = steps >= point
+        total += (point - done) * model.step_time(lengths[active], k[active])
+        done = point
+    return total
+
+
+def test_finish_search_minimises_the_simulated_call_time():
+    """call_times equals the event simulation for every length on random instances, and
+    "finish" picks its argmin (it may differ from per-step goodput's uniform choice)."""
+    from specdec.policies.goodput import call_times
+
+    rng = np.random.default_rng(7)
+    differs = 0
+    for _ in range(NUM_INSTANCES):
+        model, lengths, gains, caps = random_instance(rng, greedy_condition=False)
+        caps = np.maximum(caps, 1)
+        remaining = rng.integers(1, 64, size=len(caps)).astype(np.float64)
+        step_time = LinearStepTime.from_cost_model(model, lengths)
+        predicted = call_times(gains, caps, step_time, remaining)
+        simulated = [simulated_call_time(model, lengths, gains, caps, remaining, s) for s in range(gains.shape[1] + 1)]
+        assert predicted == pytest.approx(simulated, rel=1e-9)
+        k, goodput, plain = choose_lengths(gains, caps, step_time, "finish", min_gain=0.0, remaining=remaining)
+        best = int(np.argmin(simulated))
+        assert simulated[int(k.max())] == pytest.approx(simulated[best], rel=1e-9)
+        assert goodput == pytest.approx(remaining.sum() / min(simulated), rel=1e-9)
+        uniform = choose_lengths(gains, caps, step_time, "uniform", min_gain=0.0)[0]
+        differs += int(not np.array_equal(uniform, k))
+    assert differs > 0  # the two objectives are not the same choice in disguise
+
+
+def test_finish_search_shortens_drafts_when_the_slowest_row_sets_the_call():
+    """Seven rows accept 95% of draft tokens, one 60%, all with 64 tokens to go; each drafter
+    pass and drafted token costs time. Per-step goodput drafts 8 tokens (the seven gain most);
+    the call lasts as long as the eighth row, which long drafts hardly speed up, so "finish"
+    drafts 3 (call_times itself is checked against the event simulation above)."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.01, drafters=[{"steps": 0.05, "tokens": 0.01}])
+    rates = np.array([0.95] * 7 + [0.6])[:, None].repeat(8, axis=1)
+    gains = marginal_gains(rates)
+    caps, remaining = np.full(8, 8), np.full(8, 64.0)
+    step_time = LinearStepTime.from_cost_model(model, np.full(8, 100))
+    uniform = choose_lengths(gains, caps, step_time, "uniform", min_gain=0.0)[0]
+    finish = choose_lengths(gains, caps, step_time, "finish", min_gain=0.0, remaining=remaining)[0]
+    assert uniform.tolist() == [8] * 8 and finish.tolist() == [3] * 8
+    with pytest.raises(ValueError, match="remaining"):
+        choose_lengths(gains, caps, step_time, "finish")

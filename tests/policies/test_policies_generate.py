@@ -1,5 +1,5 @@
 """Exactness with the adaptive policies: generate() with BanditPolicy (UCB and epoch, per request
-and per batch; UCB, per request chosen jointly), GoodputPolicy (exact, greedy and uniform searches) and BatchAdaptivePolicy gives
+and per batch; UCB, per request chosen jointly), GoodputPolicy (exact, greedy, uniform and finish searches) and BatchAdaptivePolicy gives
 the target's own greedy output (float64 on the CPU, against Hugging Face generate), while the
 policies really switch mid-generation: rows change drafter, rows drop to draft length 0 when
 speculation stops paying, the draft length follows the number of active rows. The switches are
@@ -137,7 +137,7 @@ def speculation_cost_model():
     return CostModel.from_coefficients(c_fixed=1.0, c_tok=0.02, drafters=[{"tokens": 0.05}])
 
 
-@pytest.mark.parametrize("search", ["exact", "greedy", "uniform"])
+@pytest.mark.parametrize("search", ["exact", "greedy", "uniform", "finish"])
 def test_goodput_is_exact_and_stops_drafting_when_it_does_not_pay(search):
     """A drafter that rarely agrees with the target, an optimistic prior (0.9): rows draft at
     first, their acceptance estimates fall, and they switch to plain decoding mid-generation."""
