@@ -11,7 +11,7 @@ The probe found two more conditions that narrow the spread (slowest pass over fa
 passes of batch 16 on one H200): one torch thread (``torch_threads(1)``: no idle intra-op workers
 spinning beside the main thread) 1.09-1.10 against 1.33-1.54 by default, and 50 ms of GPU work
 right before each pass (``warm_gpu``: the GPU clocks down while the host prepares the next pass)
-1.05-1.06; the policy bench applies both by default.
+1.05-1.06; the policy bench applies both by default (the warm-up for 30 ms).
 
 Invariant: these change where and when work runs, never what it computes; each context manager
 restores what it changed on exit.

@@ -115,7 +115,7 @@ class PolicyBenchSettings:
 class Method:
     name: str
     family: str  # "plain", "fixed", "goodput", "batch_adaptive", "bandit"
-    variant: str  # "", "per-row", "uniform", "ucb", "epoch", "batch-level", "joint"
+    variant: str  # "", "per-row", "uniform", "finish", "ucb", "epoch", "batch-level", "joint"
     drafters: tuple[str, ...]  # given to generate(), in this order
     length: int  # fixed: k; goodput / batch_adaptive: the longest draft; bandit: k
     make: Callable[[str], Policy] = field(repr=False)  # workload name -> a fresh policy
@@ -436,7 +436,9 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
         calls.append((given, kwargs))
         started = time.perf_counter()
         try:
-            generate(target, chunks[longest], policy=method.make(workload), max_new_tokens=settings.warmup_tokens, **kwargs)
+            with torch_threads(timing_threads(settings)):  # as the timed passes run
+                generate(target, chunks[longest], policy=method.make(workload), max_new_tokens=settings.warmup_tokens,
+                         **kwargs)
         except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
             errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
         spent[index] += time.perf_counter() - started

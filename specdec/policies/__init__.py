@@ -8,7 +8,13 @@ from .acceptance import (
 )
 from .bandit import BanditPolicy, BanditState
 from .base import Policy
-from .batch_adaptive import BatchAdaptivePolicy, build_table, measure_round_times, profile_expected_tokens
+from .batch_adaptive import (
+    BatchAdaptivePolicy,
+    build_table,
+    measure_round_times,
+    profile_expected_tokens,
+    table_from_throughput,
+)
 from .cost_model import CostModel, LinearTimeModel, ProfileGrid, profile
 from .fixed import FixedPolicy
 from .goodput import GoodputPolicy
@@ -31,4 +37,5 @@ __all__ = [
     "profile_expected_tokens",
     "measure_round_times",
     "rate_from_expected_tokens",
+    "table_from_throughput",
 ]

@@ -144,7 +144,8 @@ def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[in
 
 
 def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], draft_lengths: Sequence[int],
-                        max_new_tokens: int = 32, repeats: int = 1, **generate_options) -> tuple[dict[int, float], dict]:
+                        max_new_tokens: int = 32, repeats: int = 1, **generate_options
+                        ) -> tuple[dict[int, float], dict[tuple[int, int], float], dict[tuple[int, int], float]]:
     """A short measured profile, no model in between: for every batch size b and length s,
     generate() with FixedPolicy(s) on every one of ``prompts`` in calls of b (one call of b
     requests, ``prompts`` cycled, when b exceeds their number), warm runners assumed. A small
@@ -189,6 +190,9 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
                     call_tokens += call_emitted
                     emitted[int(s)] = emitted.get(int(s), 0.0) + call_emitted
                     row_steps[int(s)] = row_steps.get(int(s), 0.0) + call_row_steps
+                if steps <= 0 or decoding_s <= 0:
+                    raise ValueError(f"the profile at batch size {b}, length {s} measured {steps:g} steps in {decoding_s:g} s: "
+                                     "give prompts with room for new tokens (max_new_tokens >= 1) and a working clock")
                 rounds.setdefault((b, int(s)), []).append(decoding_s / steps)
                 throughput_rounds.setdefault((b, int(s)), []).append(call_tokens / decoding_s)
     seconds = {key: float(np.median(times)) for key, times in rounds.items()}
@@ -239,7 +243,8 @@ class BatchAdaptivePolicy(Policy):
         batch's slowest rows; ``objective="steps"`` takes b * l(s) / T(b, s) from the measured tau
         and seconds per step instead (build_table: the per-step throughput of a batch kept full,
         as under continuous batching). Lookups between the measured batch sizes take the nearest
-        one on a log scale, as always."""
+        one on a log scale, as always (so the tail of a 64-row call, once fewer rows are active,
+        uses entries measured on whole calls of fewer rows)."""
         if objective not in ("calls", "steps"):
             raise ValueError(f"objective must be 'calls' or 'steps', got {objective!r}")
         expected, seconds, tokens_per_s = measure_round_times(target, drafter, prompts, batch_sizes, draft_lengths,

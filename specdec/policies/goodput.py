@@ -137,7 +137,7 @@ class LinearStepTime:
         return LinearStepTime(base=self.base * base_scale, token_cost=self.token_cost * extra_scale,
                               row_cost=np.asarray(self.row_cost) * extra_scale, draft_fixed=self.draft_fixed * extra_scale,
                               depth_cost=self.depth_cost * extra_scale,
-                              row_base=None if self.row_base is None else self.row_base * base_scale)
+                              row_base=None if self.row_base is None else np.asarray(self.row_base) * base_scale)
 
     @classmethod
     def from_cost_model(cls, cost_model: CostModel, lengths: np.ndarray, drafter_index: int = 0) -> LinearStepTime:
@@ -258,7 +258,12 @@ def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, r
     0..K (capped per row by ``caps``) kept from now on: row i needs remaining_i / E[tau_i](k_i)
     more steps; between two rows' finishing points the step costs the step time of the rows
     still active (their plain steps, ``row_base``, and their drafting). A static batch lasts
-    until its slowest row is done, which per-step goodput does not see."""
+    until its slowest row is done, which per-step goodput does not see.
+
+    A prediction, not a simulation: the rows' contexts and caps stay as they are now, the
+    calibration of the current number of active rows applies to every stretch, and each row's
+    expected number of steps stands for its random one (the slowest row's expected steps, not
+    the expected slowest: stragglers are if anything under-counted)."""
     num_rows, max_k = gains.shape
     cumulative = np.concatenate([np.zeros((num_rows, 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
     k = np.minimum(caps[None, :], np.arange(max_k + 1)[:, None]).astype(np.int64)  # [K+1, A]
@@ -273,7 +278,8 @@ def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, r
     row_base = np.zeros(num_rows) if step_time.row_base is None else np.asarray(step_time.row_base, dtype=np.float64)
     fixed_base = step_time.base - row_base.sum()
     row_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))
-    per_row = row_base[None, :] + row_cost[None, :] * (k > 0) + step_time.token_cost[None, :] * k  # [K+1, A]
+    token_cost = np.broadcast_to(np.asarray(step_time.token_cost, dtype=np.float64), (num_rows,))
+    per_row = row_base[None, :] + row_cost[None, :] * (k > 0) + token_cost[None, :] * k  # [K+1, A]
     depth = np.flip(np.maximum.accumulate(np.flip(np.take_along_axis(k, order, axis=1), axis=1), axis=1), axis=1)  # [K+1, A]
     seconds = fixed_base + suffix_sum(per_row) + (depth > 0) * (step_time.draft_fixed + step_time.depth_cost * depth)
     return (segment * seconds).sum(axis=1)
@@ -312,9 +318,11 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
             return zeros, float("nan"), float("nan")
         times = call_times(gains, caps, step_time, remaining)
         total = float(np.sum(remaining))
-        plain = total / times[0]
+        if not times[0] > 0:
+            return zeros, float("nan"), float("nan")  # no budget left in any row: nothing to time
+        plain = total / float(times[0])
         k = search_finish(gains, caps, step_time, remaining)
-        chosen = total / times[int(k.max(initial=0))]
+        chosen = total / float(times[int(k.max(initial=0))])
         if chosen < (1.0 + min_gain) * plain:
             return zeros, plain, plain
         return k, chosen, plain
@@ -481,7 +489,8 @@ class GoodputPolicy(Policy):
 
     @property
     def cold_start_rate(self) -> float:
-        """The acceptance rate the next generate() call's rows start at (and relax back to)."""
+        """The acceptance rate the current (or last) generate() call's rows started at and relax
+        back to; a call's own counts enter it when the next call starts (LearnedPrior.new_call)."""
         return self.learned_prior.rate if self.learned_prior is not None else self._given_prior
 
     def plan(self, batch, num_drafters):
@@ -606,4 +615,4 @@ class GoodputPolicy(Policy):
     def __repr__(self) -> str:
         return (f"GoodputPolicy(max_draft_tokens={self.max_draft_tokens}, search={self.search!r}, "
                 f"drafter_index={self.drafter_index}, min_gain={self.min_gain}, calibrate={self.calibration is not None}, "
-                f"revisit={self.revisit})")
+                f"revisit={self.revisit}, per_position={self.per_position}, learn_prior={self.learned_prior is not None})")

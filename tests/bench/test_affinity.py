@@ -1,12 +1,18 @@
-"""bench.affinity: the cpulist parser and the pinning context (restores what it changed)."""
+"""bench.affinity: the cpulist parser, the pinning and thread-count contexts (each restores what
+it changed), and the GPU warm-up (nothing off CUDA)."""
 
 import os
 
 import pytest
-
 import torch
 
-from specdec.bench.affinity import gpu_local_cpus, parse_cpulist, pinned, torch_threads, warm_gpu
+from specdec.bench.affinity import (
+    gpu_local_cpus,
+    parse_cpulist,
+    pinned,
+    torch_threads,
+    warm_gpu,
+)
 
 
 def test_parse_cpulist_ranges_and_singles():
@@ -74,9 +80,8 @@ def test_torch_threads_sets_the_count_and_restores_it():
     with torch_threads(None):
         assert torch.get_num_threads() == before
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="thread count"):
-            with torch_threads(bad):
-                pass
+        with pytest.raises(ValueError, match="thread count"), torch_threads(bad):
+            pass
     assert torch.get_num_threads() == before
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from specdec.batch import BatchState
-
 from specdec.policies.acceptance import expected_emitted
 from specdec.policies.batch_adaptive import (
     BatchAdaptivePolicy,
@@ -147,7 +146,10 @@ def test_the_table_from_call_throughput_counts_the_slowest_row(monkeypatch):
     import sys
     from types import SimpleNamespace
 
-    from specdec.policies.batch_adaptive import measure_round_times, table_from_throughput
+    from specdec.policies.batch_adaptive import (
+        measure_round_times,
+        table_from_throughput,
+    )
 
     def fake_generate(target, prompts, drafter=None, policy=None, max_new_tokens=0, **_):
         s = policy.num_draft_tokens
@@ -219,7 +221,7 @@ def test_measured_rounds_repeat_in_turn_and_take_the_median(monkeypatch):
                                                      requests=requests))
 
     monkeypatch.setattr(sys.modules["specdec.generate"], "generate", fake_generate)
-    expected, seconds, tokens_per_s = measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,),
+    _, seconds, tokens_per_s = measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,),
                                                           draft_lengths=(0, 2), max_new_tokens=4, repeats=3)
     assert order == [0, 2, 0, 2, 0, 2]
     assert seconds == {(1, 0): pytest.approx(1.0), (1, 2): pytest.approx(1.5)}  # the 5.0 round is out
@@ -252,3 +254,20 @@ def test_the_tau_profile_in_small_calls_pools_every_prompt():
         profile_expected_tokens(target, drafter, [], (2,))
     with pytest.raises(ValueError, match="batch_size"):
         profile_expected_tokens(target, drafter, prompts, (2,), batch_size=0)
+
+
+def test_a_profile_round_without_steps_is_refused(monkeypatch):
+    """A round that decoded nothing (no new tokens, or a clock that did not move) has no step
+    time or throughput: a clear error, not a division by zero."""
+    import sys
+    from types import SimpleNamespace
+
+    from specdec.policies.batch_adaptive import measure_round_times
+
+    def no_steps(target, prompts, drafter=None, policy=None, max_new_tokens=0, **_):
+        requests = [SimpleNamespace(emitted=0, steps=0) for _ in prompts]
+        return SimpleNamespace(stats=SimpleNamespace(wall_time_s=0.5, prefill_time_s=0.5, steps=0, requests=requests))
+
+    monkeypatch.setattr(sys.modules["specdec.generate"], "generate", no_steps)
+    with pytest.raises(ValueError, match="measured 0 steps"):
+        measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,), draft_lengths=(0,), max_new_tokens=4)
