@@ -1,6 +1,6 @@
 """``python -m specdec bench --policies``: the adaptive policies (GoodputPolicy per-row,
-uniform and finish, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch, and
-joint)
+uniform and finish, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch,
+joint and joint with the finish objective)
 against every fixed (drafter, length) pair and plain decoding, on copy-heavy, continuation and
 mixed workloads (``specdec.workloads``), at several batch sizes, in one process.
 
@@ -115,7 +115,7 @@ class PolicyBenchSettings:
 class Method:
     name: str
     family: str  # "plain", "fixed", "goodput", "batch_adaptive", "bandit"
-    variant: str  # "", "per-row", "uniform", "finish", "ucb", "epoch", "batch-level", "joint"
+    variant: str  # "", "per-row", "uniform", "finish", "ucb", "epoch", "batch-level", "joint", "joint-finish"
     drafters: tuple[str, ...]  # given to generate(), in this order
     length: int  # fixed: k; goodput / batch_adaptive: the longest draft; bandit: k
     make: Callable[[str], Policy] = field(repr=False)  # workload name -> a fresh policy
@@ -218,10 +218,12 @@ def methods(settings: PolicyBenchSettings, names: list[str], policy_drafter: str
     found.append(Method(f"BatchAdaptivePolicy ({policy_drafter}, k<={K})", "batch_adaptive", "", (policy_drafter,), K,
                         lambda w: BatchAdaptivePolicy(tables[w])))
     kb = settings.bandit_length
-    for variant, strategy, scope in (("ucb", "ucb", "request"), ("epoch", "epoch", "request"),
-                                     ("batch-level", "epoch", "batch"), ("joint", "ucb", "joint")):
+    for variant, strategy, scope, objective in (("ucb", "ucb", "request", "step"), ("epoch", "epoch", "request", "step"),
+                                                ("batch-level", "epoch", "batch", "step"), ("joint", "ucb", "joint", "step"),
+                                                ("joint-finish", "ucb", "joint", "finish")):
         found.append(Method(f"BanditPolicy {variant} ({len(names)} drafters, k={kb})", "bandit", variant, tuple(names), kb,
-                            lambda w, s=strategy, sc=scope: BanditPolicy(kb, strategy=s, scope=sc, cost_model=bandit_model)))
+                            lambda w, s=strategy, sc=scope, o=objective: BanditPolicy(
+                                kb, strategy=s, scope=sc, cost_model=bandit_model, joint_objective=o)))
     return found
 
 
@@ -621,7 +623,7 @@ def policy_targets(result: dict) -> list[dict]:
     for w in workloads:
         add("BatchAdaptivePolicy within 5% of the best fixed length in hindsight at every batch size",
             "batch_adaptive", "", w, best_fixed, WITHIN_BEST_FIXED)
-    for variant in ("ucb", "epoch", "batch-level", "joint"):
+    for variant in ("ucb", "epoch", "batch-level", "joint", "joint-finish"):
         for w in workloads:
             mixed = w == "mixed"
             add(f"BanditPolicy {variant} " + ("beats the best single drafter by >= 10% tokens/s" if mixed

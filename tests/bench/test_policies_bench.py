@@ -36,10 +36,10 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert all(not r["error"] for r in rows), [r["error"] for r in rows if r["error"]]
     # plain decoding is the reference; every other run equals it token for token (float32 on CPU)
     assert all(r["identical"] is None if r["family"] == "plain" else r["identical"] is True for r in rows)
-    # every fixed pair: prompt lookup and one model drafter at k in {2, 4}; four bandits; three goodputs
+    # every fixed pair: prompt lookup and one model drafter at k in {2, 4}; five bandits; three goodputs
     fixed = {(r["drafters"][0], r["length"]) for r in rows if r["family"] == "fixed"}
     assert fixed == {(d, k) for d in result["drafters"] for k in (2, 4)} and len(result["drafters"]) == 2
-    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level", "joint"}
+    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level", "joint", "joint-finish"}
     assert {r["variant"] for r in rows if r["family"] == "goodput"} == {"per-row", "uniform", "finish"}
     assert sum(1 for r in rows if r["family"] == "fixed") == 4 * 3 * 2
     # two timed passes per run, tokens/s from their median; both passes' outputs checked
@@ -65,7 +65,7 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert saved.as_dict() == model.as_dict()
     assert set(result["tau_profile"]) == {"mixed", "copy", "continuation"}
     assert {t["policy"] for t in result["targets"]} == {"goodput", "batch_adaptive", "bandit"}
-    assert len(result["targets"]) == 3 * 2 * 3 + 3 + 4 * 3
+    assert len(result["targets"]) == 3 * 2 * 3 + 3 + 5 * 3
     report = quick_run.with_suffix(".md").read_text()
     assert "## Targets" in report and "| target | workload | worst ratio |" in report
     assert "Batch sizes measured, by workload: mixed [1, 8]" in report and "Noise check" in report
@@ -81,8 +81,8 @@ def test_a_time_limit_skips_the_remaining_runs_and_still_reports(tiny_zoo_root, 
     assert main(argv) == 0
     [path] = [p for p in tmp_path.glob("policies_*.json") if p.name.count(".") == 1]
     result = json.loads(path.read_text())
-    assert result["rows"] == [] and len(result["skipped"]) == 1 + 2 + 8  # plain, two fixed, 3 goodput + batch-adaptive + 4 bandits
-    assert "Skipped after the time limit: 11 runs" in path.with_suffix(".md").read_text()
+    assert result["rows"] == [] and len(result["skipped"]) == 1 + 2 + 9  # plain, two fixed, 3 goodput + batch-adaptive + 5 bandits
+    assert "Skipped after the time limit: 12 runs" in path.with_suffix(".md").read_text()
 
 
 def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_path):

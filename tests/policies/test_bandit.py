@@ -396,3 +396,43 @@ def test_joint_scope_does_not_price_a_drafter_by_its_prompt_reading_pass():
     assert averages.drafter_s[0] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="window"):
         StepTimeAverages(1, window=0)
+
+
+def brute_force_joint_finish(upper, verify_s, drafter_s, remaining):
+    """choose_joint(remaining=...) by loops: the subset whose slowest row finishes soonest."""
+    num_rows, num_drafters = upper.shape
+    best = None
+    for size in range(1, num_drafters + 1):
+        for subset in itertools.combinations(range(num_drafters), size):
+            slowest = max(remaining[r] / max(max(upper[r, d] for d in subset), 1e-12) for r in range(num_rows))
+            seconds = slowest * max(verify_s + sum(drafter_s[d] for d in subset), 1e-9)
+            if best is None or seconds < best[0]:
+                arms = [max(subset, key=lambda d: (upper[r, d], -d)) for r in range(num_rows)]
+                best = (seconds, np.isin(np.arange(num_drafters), subset), np.array(arms))
+    return best[1], best[2]
+
+
+def test_joint_finish_choice_matches_brute_force_and_follows_the_slowest_row():
+    """joint_objective="finish": the vectorised choice is the enumeration's on random instances.
+    On run 6's batch-64 figures (per row and ms, prompt lookup and the model drafter tie per
+    step) the step objective keeps both drafters for the copy rows, while "finish" runs the model
+    drafter alone, which the continuation rows (lookup finds little) need."""
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        num_drafters, num_rows = int(rng.integers(1, 7)), int(rng.integers(1, 20))
+        upper = rng.uniform(0.5, 5.0, size=(num_rows, num_drafters))
+        drafter_s = rng.uniform(0.0, 1.0, size=num_drafters) * (rng.random(num_drafters) < 0.8)
+        verify_s, remaining = float(rng.uniform(0.1, 2.0)), rng.integers(1, 128, size=num_rows).astype(np.float64)
+        subset, arms = choose_joint(upper, verify_s, drafter_s, remaining=remaining)
+        expected_subset, expected_arms = brute_force_joint_finish(upper, verify_s, drafter_s, remaining)
+        assert subset.tolist() == expected_subset.tolist(), trial
+        assert arms.tolist() == expected_arms.tolist(), trial
+    # rows 0-1 copy requests, rows 2-3 continuation; drafters: prompt lookup, the model drafter
+    upper = np.array([[4.5, 3.8], [4.5, 3.8], [1.4, 3.7], [1.4, 3.7]])
+    verify_s, drafter_s, remaining = 2.2, np.array([0.05, 0.7]), np.full(4, 128.0)
+    step_subset, step_arms = choose_joint(upper, verify_s, drafter_s)
+    finish_subset, finish_arms = choose_joint(upper, verify_s, drafter_s, remaining=remaining)
+    assert step_subset.tolist() == [True, True] and step_arms.tolist() == [0, 0, 1, 1]
+    assert finish_subset.tolist() == [False, True] and finish_arms.tolist() == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="joint_objective"):
+        BanditPolicy(4, scope="joint", joint_objective="calls")

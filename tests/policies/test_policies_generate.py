@@ -123,11 +123,13 @@ def test_bandit_is_exact_and_switches_drafters(strategy, scope):
         assert r.drafter_wall_s.sum() < r.step_time_s
 
 
-@pytest.mark.parametrize("scope", ["request", "joint"])
-def test_bandit_with_a_cost_model_is_exact(scope):
+@pytest.mark.parametrize("options", [{"scope": "request"}, {"scope": "joint"},
+                                     {"scope": "joint", "joint_objective": "finish"}],
+                         ids=["request", "joint", "joint-finish"])
+def test_bandit_with_a_cost_model_is_exact(options):
     model = CostModel.from_coefficients(c_fixed=1e-2, c_tok=1e-4, drafters=[{"steps": 2e-3}, {"fixed": 1e-4}])
     prompts, eos = prompts_and_eos(4, seed=9)
-    _, recording = run(BanditPolicy(num_draft_tokens=4, scope=scope, cost_model=model), two_drafters(), prompts, eos)
+    _, recording = run(BanditPolicy(num_draft_tokens=4, cost_model=model, **options), two_drafters(), prompts, eos)
     assert {int(d) for r in recording.records for d in r.drafter_index[r.rows]} == {0, 1}
 
 
