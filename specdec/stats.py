@@ -112,8 +112,13 @@ class GenerationStats:
         return sum(r.emitted for r in self.requests)
 
     @property
+    def row_steps(self) -> int:
+        """Steps summed over the requests (a request's steps end when it does)."""
+        return sum(r.steps for r in self.requests)
+
+    @property
     def tau(self) -> float:
-        return _ratio(self.emitted, sum(r.steps for r in self.requests))
+        return _ratio(self.emitted, self.row_steps)
 
     @property
     def acceptance_rate(self) -> float:

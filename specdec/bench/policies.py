@@ -496,7 +496,7 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
     calibration = getattr(policy, "calibration", None)  # GoodputPolicy's measured corrections, by active rows
     sequences = [s for out in outputs for s in out.sequences]
     tokens = sum(map(len, sequences))
-    row_steps = sum(r.steps for out in outputs for r in out.stats.requests)
+    row_steps = sum(out.stats.row_steps for out in outputs)
     by_kind_steps = sum(t.row_steps for t in tallies)
     drafted = sum(t.drafted_tokens for t in tallies)
     drafting = sum(t.drafting for t in tallies)  # [kinds, drafters]

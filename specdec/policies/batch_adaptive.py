@@ -111,11 +111,6 @@ def lookup(table: Mapping[int, int], num_rows: int) -> int:
     return int(table[nearest_size(sizes, switch_points(sizes), num_rows)])
 
 
-def _emitted_and_row_steps(stats) -> tuple[int, int]:
-    """A call's emitted tokens and row-steps, which pool over calls into tau (GenerationStats.tau)."""
-    return sum(r.emitted for r in stats.requests), sum(r.steps for r in stats.requests)
-
-
 def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[int], max_new_tokens: int = 32,
                             batch_size: int | None = None, **generate_options) -> dict[int, float]:
     """A short profile: l(s) = measured tau of generate() with FixedPolicy(s), for each s, over
@@ -137,8 +132,7 @@ def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[in
         for start in range(0, len(prompts), size):
             out = generate(target, prompts[start : start + size], drafter=drafter, policy=FixedPolicy(int(s)),
                            max_new_tokens=max_new_tokens, **generate_options)
-            counts = _emitted_and_row_steps(out.stats)
-            emitted, row_steps = emitted + counts[0], row_steps + counts[1]
+            emitted, row_steps = emitted + out.stats.emitted, row_steps + out.stats.row_steps
         measured[int(s)] = emitted / row_steps if row_steps else float("nan")
     return measured
 
@@ -186,10 +180,9 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
                     stats = out.stats
                     decoding_s += stats.wall_time_s - stats.prefill_time_s
                     steps += stats.steps
-                    call_emitted, call_row_steps = _emitted_and_row_steps(stats)
-                    call_tokens += call_emitted
-                    emitted[int(s)] = emitted.get(int(s), 0.0) + call_emitted
-                    row_steps[int(s)] = row_steps.get(int(s), 0.0) + call_row_steps
+                    call_tokens += stats.emitted
+                    emitted[int(s)] = emitted.get(int(s), 0.0) + stats.emitted
+                    row_steps[int(s)] = row_steps.get(int(s), 0.0) + stats.row_steps
                 if steps <= 0 or decoding_s <= 0:
                     raise ValueError(f"the profile at batch size {b}, length {s} measured {steps:g} steps in {decoding_s:g} s: "
                                      "give prompts with room for new tokens (max_new_tokens >= 1) and a working clock")

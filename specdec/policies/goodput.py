@@ -158,10 +158,29 @@ class LinearStepTime:
                    depth_cost=drafter["steps"], row_base=row_base)
 
 
+def _cumulative_gains(gains: np.ndarray) -> np.ndarray:
+    """[A, K] gains -> [A, K+1] the expected tokens each length 0..K adds beyond the one emitted."""
+    return np.concatenate([np.zeros((len(gains), 1)), np.cumsum(gains, axis=1)], axis=1)
+
+
+def _uniform_lengths(caps: np.ndarray, max_k: int) -> np.ndarray:
+    """[K+1, A] row L: every row drafting L tokens, capped by its budget ``caps`` [A]."""
+    return np.minimum(caps[None, :], np.arange(max_k + 1)[:, None]).astype(np.int64)
+
+
+def _shortest_best(values: np.ndarray, tolerance: float) -> int:
+    """The index of the largest of ``values`` [K+1], the first one unless a later one beats it by
+    the relative ``tolerance`` (the shortest of the best lengths)."""
+    best = 0
+    for length in range(1, len(values)):
+        if values[length] > values[best] * (1 + tolerance):
+            best = length
+    return best
+
+
 def _numerator(gains: np.ndarray, k: np.ndarray) -> float:
     """sum_i E[tau_i](k_i) with gains [A, K]."""
-    cumulative = np.concatenate([np.zeros((len(k), 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
-    return float(len(k) + cumulative[np.arange(len(k)), k].sum())
+    return float(len(k) + _cumulative_gains(gains)[np.arange(len(k)), k].sum())
 
 
 def goodput_of(gains: np.ndarray, k: np.ndarray, step_time: LinearStepTime) -> float:
@@ -187,7 +206,7 @@ def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime,
     max_depth = min(max_k, int(caps.max(initial=0)))
     if max_depth < 1:
         return best_k
-    cumulative = np.concatenate([np.zeros((num_rows, 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
+    cumulative = _cumulative_gains(gains)  # [A, K+1]
     lengths = np.arange(max_k + 1)
     start_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))  # [A]
     row_cost = np.where(lengths > 0, start_cost[:, None], 0.0) + step_time.token_cost[:, None] * lengths  # [A, K+1]
@@ -243,14 +262,9 @@ def search_greedy(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime
 def search_uniform(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12) -> np.ndarray:
     """The best single k for every row (capped per row), every k evaluated at once ([K + 1, A])."""
     num_rows, max_k = gains.shape
-    cumulative = np.concatenate([np.zeros((num_rows, 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
-    k = np.minimum(caps[None, :], np.arange(max_k + 1)[:, None]).astype(np.int64)  # [K+1, A]
-    goodput = (num_rows + cumulative[np.arange(num_rows)[None, :], k].sum(axis=1)) / step_time(k)  # [K+1]
-    best = 0
-    for length in range(1, max_k + 1):  # the shortest of the best: a longer k must beat it by the tolerance
-        if goodput[length] > goodput[best] * (1 + tolerance):
-            best = length
-    return k[best].copy()
+    k = _uniform_lengths(caps, max_k)  # [K+1, A]
+    goodput = (num_rows + _cumulative_gains(gains)[np.arange(num_rows)[None, :], k].sum(axis=1)) / step_time(k)  # [K+1]
+    return k[_shortest_best(goodput, tolerance)].copy()
 
 
 def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, remaining: np.ndarray) -> np.ndarray:
@@ -265,9 +279,8 @@ def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, r
     expected number of steps stands for its random one (the slowest row's expected steps, not
     the expected slowest: stragglers are if anything under-counted)."""
     num_rows, max_k = gains.shape
-    cumulative = np.concatenate([np.zeros((num_rows, 1)), np.cumsum(gains, axis=1)], axis=1)  # [A, K+1]
-    k = np.minimum(caps[None, :], np.arange(max_k + 1)[:, None]).astype(np.int64)  # [K+1, A]
-    steps = np.asarray(remaining, dtype=np.float64)[None, :] / (1.0 + cumulative[np.arange(num_rows)[None, :], k])  # [K+1, A]
+    k = _uniform_lengths(caps, max_k)  # [K+1, A]
+    steps = np.asarray(remaining, dtype=np.float64)[None, :] / (1.0 + _cumulative_gains(gains)[np.arange(num_rows)[None, :], k])  # [K+1, A]
     order = np.argsort(steps, axis=1, kind="stable")  # [K+1, A] rows by finishing point
     ordered_steps = np.take_along_axis(steps, order, axis=1)
     segment = np.diff(ordered_steps, axis=1, prepend=0.0)  # [K+1, A] steps while rows order[j:] are active
@@ -290,11 +303,17 @@ def search_finish(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime
     """The single length (capped per row) that finishes every active row soonest (call_times);
     ties: the shorter."""
     times = call_times(gains, np.minimum(caps, gains.shape[1]), step_time, remaining)
+    return np.minimum(caps, _fastest_length(times, tolerance)).astype(np.int64)
+
+
+def _fastest_length(times: np.ndarray, tolerance: float = 1e-12) -> int:
+    """The index of the smallest of ``times`` [K+1] (positive), the shortest length unless a longer
+    one is faster by the relative ``tolerance``."""
     best = 0
     for length in range(1, len(times)):
         if times[length] < times[best] * (1 - tolerance):
             best = length
-    return np.minimum(caps, best).astype(np.int64)
+    return best
 
 
 SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": search_uniform}
@@ -321,8 +340,9 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
         if not times[0] > 0:
             return zeros, float("nan"), float("nan")  # no budget left in any row: nothing to time
         plain = total / float(times[0])
-        k = search_finish(gains, caps, step_time, remaining)
-        chosen = total / float(times[int(k.max(initial=0))])
+        best = _fastest_length(times)  # search_finish's choice, from the times at hand
+        k = np.minimum(caps, best).astype(np.int64)
+        chosen = total / float(times[best])
         if chosen < (1.0 + min_gain) * plain:
             return zeros, plain, plain
         return k, chosen, plain
@@ -399,12 +419,9 @@ class StepTimeCalibration:
         measurements or more since it was last forgotten)."""
         return row_bucket(num_rows) in self.extra_scale
 
-    def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: float) -> None:
-        """step_time: the uncalibrated model over the step's A active rows; k: [A] their lengths."""
-        self.observe_many(step_time, k, [measured_s])
-
-    def observe_many(self, step_time: LinearStepTime, k: np.ndarray, measured_s: list[float]) -> None:
-        """Several steps of the same lengths k [A], one sample each (the prediction computed once)."""
+    def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: list[float]) -> None:
+        """Steps of the same lengths k [A], one sample each; step_time: the uncalibrated model over
+        their A active rows (the prediction computed once)."""
         bucket = row_bucket(len(k))
         if step_time.base <= 0:
             return
@@ -417,9 +434,9 @@ class StepTimeCalibration:
         extra = float(step_time.extra(k))
         if extra <= 0:
             return
+        base = self.base_scale.get(bucket, 1.0) * step_time.base  # drafting samples leave base_scale as it is
         for seconds in measured_s:
             if seconds > 0:
-                base = self.base_scale.get(bucket, 1.0) * step_time.base
                 self._add(self._extra_samples, self.extra_scale, bucket,
                           float(np.clip((seconds - base) / extra, *self.EXTRA_CLIP)))
 
@@ -583,11 +600,11 @@ class GoodputPolicy(Policy):
             ran = bool(wall.sum() > 0) if wall is not None else bool(record.num_drafted.any())
             (drafting if ran else plain).append(record.step_time_s)
         if plain:
-            self.calibration.observe_many(step_time, np.zeros_like(decided), plain)
+            self.calibration.observe(step_time, np.zeros_like(decided), plain)
             if self.reprobe_after:
                 self.calibration.idle(len(decided), self.reprobe_after, steps=len(plain))
         if drafting and decided.any():
-            self.calibration.observe_many(step_time, decided, drafting)
+            self.calibration.observe(step_time, decided, drafting)
 
     def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None,
                 remaining: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ the largest tabulated batch size not above the active rows."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -99,6 +100,13 @@ def test_lookup_takes_the_nearest_entry_on_a_log_scale(num_rows, expected):
     assert lookup({16: 6, 64: 4}, 32) == 4 and lookup({16: 6, 64: 4}, 31) == 6
 
 
+def fake_stats(requests, **fields):
+    """A stand-in for GenerationStats: the fields given, with emitted and row_steps summed over
+    ``requests`` as GenerationStats sums them."""
+    return SimpleNamespace(requests=requests, emitted=sum(r.emitted for r in requests),
+                           row_steps=sum(r.steps for r in requests), **fields)
+
+
 def test_bad_tables():
     with pytest.raises(ValueError):
         BatchAdaptivePolicy({})
@@ -144,7 +152,6 @@ def test_the_table_from_call_throughput_counts_the_slowest_row(monkeypatch):
     longer draft looks better; per call it is slower. The "calls" table picks the shorter one,
     the "steps" table the longer; at batch 1 (no other rows to wait for) both agree."""
     import sys
-    from types import SimpleNamespace
 
     from specdec.policies.batch_adaptive import (
         measure_round_times,
@@ -162,8 +169,7 @@ def test_the_table_from_call_throughput_counts_the_slowest_row(monkeypatch):
         else:
             rows.append(SimpleNamespace(emitted=20, steps=slow_steps))
         steps = max(r.steps for r in rows)
-        return SimpleNamespace(stats=SimpleNamespace(wall_time_s=steps * per_step, prefill_time_s=0.0, steps=steps,
-                                                     requests=rows))
+        return SimpleNamespace(stats=fake_stats(rows, wall_time_s=steps * per_step, prefill_time_s=0.0, steps=steps))
 
     monkeypatch.setattr(sys.modules["specdec.generate"], "generate", fake_generate)
     prompts = [[1, 2]] * 4
@@ -203,7 +209,6 @@ def test_measured_rounds_repeat_in_turn_and_take_the_median(monkeypatch):
     """repeats=3: the lengths are measured in turn within each round (0, 2, 0, 2, 0, 2), and a
     length's seconds per step is the median of its rounds, so one slow round does not move it."""
     import sys
-    from types import SimpleNamespace
 
     from specdec.policies.batch_adaptive import measure_round_times
 
@@ -217,8 +222,7 @@ def test_measured_rounds_repeat_in_turn_and_take_the_median(monkeypatch):
         steps = 4
         requests = [SimpleNamespace(emitted=4 * (s + 1) // 2 + 1, steps=steps) for _ in prompts]
         wall = 0.5 + steps * slow.get((s, round_number), per_step[s])
-        return SimpleNamespace(stats=SimpleNamespace(wall_time_s=wall, prefill_time_s=0.5, steps=steps,
-                                                     requests=requests))
+        return SimpleNamespace(stats=fake_stats(requests, wall_time_s=wall, prefill_time_s=0.5, steps=steps))
 
     monkeypatch.setattr(sys.modules["specdec.generate"], "generate", fake_generate)
     _, seconds, tokens_per_s = measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,),
@@ -260,13 +264,12 @@ def test_a_profile_round_without_steps_is_refused(monkeypatch):
     """A round that decoded nothing (no new tokens, or a clock that did not move) has no step
     time or throughput: a clear error, not a division by zero."""
     import sys
-    from types import SimpleNamespace
 
     from specdec.policies.batch_adaptive import measure_round_times
 
     def no_steps(target, prompts, drafter=None, policy=None, max_new_tokens=0, **_):
         requests = [SimpleNamespace(emitted=0, steps=0) for _ in prompts]
-        return SimpleNamespace(stats=SimpleNamespace(wall_time_s=0.5, prefill_time_s=0.5, steps=0, requests=requests))
+        return SimpleNamespace(stats=fake_stats(requests, wall_time_s=0.5, prefill_time_s=0.5, steps=0))
 
     monkeypatch.setattr(sys.modules["specdec.generate"], "generate", no_steps)
     with pytest.raises(ValueError, match="measured 0 steps"):
