@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
 from specdec import generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
+from specdec.types import Plan
 from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -122,6 +124,49 @@ def test_several_drafters_with_the_policy_choosing(policy, device, dtype):
     drafters = [PromptLookupDrafter(), ModelDrafter(drafter_model("qwen2", device, dtype))]
     out = generate(target, prompts, drafter=drafters, policy=policy, max_new_tokens=MAX_NEW_TOKENS)
     assert out.sequences == [reference("qwen2", device, dtype, tuple(p), None) for p in prompts]
+    assert out.stats.accepted > 0
+
+
+class CountingLookup(PromptLookupDrafter):
+    """Prompt lookup that counts the steps it was called in."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, batch, num_tokens):
+        self.calls += 1
+        return super().propose(batch, num_tokens)
+
+
+class EveryOtherStep(FixedPolicy):
+    """Rows 0, 2, ... draft with drafter 2 and the others with drafter 0 on even steps; every row
+    with drafter 2 on odd steps; drafter 1 is never asked."""
+
+    def __init__(self, num_draft_tokens: int):
+        super().__init__(num_draft_tokens, 0)
+        self.step = 0
+
+    def plan(self, batch, num_drafters):
+        rows = np.arange(batch.num_rows)
+        owner = np.where(rows % 2 == 0, 2, 0) if self.step % 2 == 0 else np.full(batch.num_rows, 2)
+        self.step += 1
+        return Plan(drafter_index=owner, num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens))
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+def test_a_drafter_asked_for_nothing_is_not_called(device, dtype):
+    """generate() calls only the drafters a step asks for tokens (an idle drafter cost every
+    multi-drafter step 0.1-0.4 ms on the H200); the output stays the target's, with steps that
+    merge two drafters' rows, steps of one drafter alone, and a model drafter catching up."""
+    target = cached_model("llama", device, dtype)
+    prompts = random_prompts(5, target.config.vocab_size, seed=17)
+    idle, lookup = CountingLookup(), CountingLookup()
+    drafters = [lookup, idle, ModelDrafter(drafter_model("llama", device, dtype))]
+    out = generate(target, prompts, drafter=drafters, policy=EveryOtherStep(3), max_new_tokens=MAX_NEW_TOKENS)
+    assert out.sequences == [reference("llama", device, dtype, tuple(p), None) for p in prompts]
+    assert idle.calls == 0
+    assert 0 < lookup.calls < out.stats.steps  # called in the even steps only
     assert out.stats.accepted > 0
 
 

@@ -28,7 +28,10 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
-        """Propose up to ``num_tokens[r]`` tokens after row r's committed tokens ([B] host array)."""
+        """Propose up to ``num_tokens[r]`` tokens after row r's committed tokens ([B] host array).
+        generate() calls it only in steps that ask this drafter for at least one token (``commit``
+        comes every step): a drafter that keeps state must catch up on the tokens committed while
+        it sat out."""
 
     def commit(self, lengths_before: np.ndarray, num_accepted: np.ndarray) -> None:
         """The step that began at committed lengths ``lengths_before`` accepted ``num_accepted``
