@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from specdec.__main__ import main
-from specdec.bench.policies import markdown, policy_targets
+from specdec.bench.policies import kind_oracle_bound, markdown, policy_targets
 from specdec.policies import CostModel
 
 
@@ -191,6 +191,28 @@ def test_targets_fail_on_slow_policies_on_outputs_that_differ_and_on_failed_runs
     assert not homogeneous["met"] and not homogeneous["identical"]
     broken = _by(targets, "goodput", "mixed", "slower than plain")
     assert broken["per_batch"] == {"1": 0.99, "8": None} and broken["ratio"] == 0.99 and not broken["met"]
+
+
+def test_kind_oracle_bound_mixes_the_best_drafter_per_kind_against_the_best_single_one():
+    """copy / continuation tokens/s at k=4 -- batch 1: a 100 / 50, b 60 / 80 (each wins one
+    kind); batch 8: a wins both (300 / 200 against 250 / 150), so nothing is to be gained."""
+    rows = []
+    for workload, a, b in (("copy", (100.0, 300.0), (60.0, 250.0)), ("continuation", (50.0, 200.0), (80.0, 150.0))):
+        for i, batch in enumerate((1, 8)):
+            rows += [_row(workload, batch, "fixed", a[i], drafters=("a",), length=4),
+                     _row(workload, batch, "fixed", b[i], drafters=("b",), length=4),
+                     _row(workload, batch, "fixed", 999.0, drafters=("a",), length=2)]  # another length: ignored
+    bound = kind_oracle_bound({"settings": {"bandit_length": 4, "mixed_fraction": 0.5}, "rows": rows})
+    # batch 1: the oracle takes a on copy and b on continuation; the best single drafter is b (68.6 against 66.7)
+    assert bound[1] == pytest.approx(mix_f(100.0, 80.0, 0.5) / max(mix_f(100.0, 50.0, 0.5), mix_f(60.0, 80.0, 0.5)))
+    assert bound[1] > 1.0 and bound[8] == pytest.approx(1.0)
+    skewed = kind_oracle_bound({"settings": {"bandit_length": 4, "mixed_fraction": 0.9}, "rows": rows})
+    assert skewed[1] == pytest.approx(mix_f(100.0, 80.0, 0.9) / max(mix_f(100.0, 50.0, 0.9), mix_f(60.0, 80.0, 0.9)))
+    assert kind_oracle_bound({"rows": []}) == {}
+
+
+def mix_f(copy, continuation, fraction):
+    return 1.0 / (fraction / copy + (1.0 - fraction) / continuation)
 
 
 def test_the_report_renders_synthetic_results():
