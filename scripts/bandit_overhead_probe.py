@@ -30,6 +30,7 @@ import torch
 from specdec import generate
 from specdec.bench.affinity import torch_threads
 from specdec.bench.harness import synchronise
+from specdec.bench.policies import Tally
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import BanditPolicy, FixedPolicy, Policy
 from specdec.types import Plan
@@ -57,26 +58,15 @@ class Switcher(Policy):
                     num_draft_tokens=np.full(batch.num_rows, LENGTH, dtype=np.int64))
 
 
-class Clock(Policy):
-    """Passes everything to ``inner``; keeps per step the host ms of the policy and the record's times."""
+class Clock(Tally):
+    """The policy bench's Tally (host time of the policy's plan and observe calls), keeping each step's record."""
 
-    def __init__(self, inner: Policy):
-        self.inner, self.policy_s, self.records = inner, 0.0, []
-
-    @property
-    def max_draft_tokens(self) -> int:
-        return self.inner.max_draft_tokens
-
-    def plan(self, batch, num_drafters):
-        started = time.perf_counter()
-        plan = self.inner.plan(batch, num_drafters)
-        self.policy_s += time.perf_counter() - started
-        return plan
+    def __init__(self, inner: Policy, num_rows: int, num_drafters: int):
+        super().__init__(inner, np.zeros(num_rows, dtype=np.int64), num_drafters)
+        self.records = []
 
     def observe(self, record):
-        started = time.perf_counter()
-        self.inner.observe(record)
-        self.policy_s += time.perf_counter() - started
+        super().observe(record)
         self.records.append(record)
 
 
@@ -112,10 +102,11 @@ def main() -> None:
 
     def run(prompts, config):
         chosen, make = configs[config]
-        clock = Clock(make())
+        drafters_given = chosen()
+        clock = Clock(make(), len(prompts), len(drafters_given))
         synchronise(args.device)
         started = time.perf_counter()
-        generate(zoo.target, prompts, drafter=chosen(), policy=clock, max_new_tokens=args.new_tokens,
+        generate(zoo.target, prompts, drafter=drafters_given, policy=clock, max_new_tokens=args.new_tokens,
                  eos_token_id=eos, cuda_graphs=cuda, compile=cuda)
         synchronise(args.device)
         seconds = time.perf_counter() - started

@@ -181,7 +181,7 @@ def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: tor
     drafter asked its draft is the step's, with several they are merged by row."""
     if plan.max_draft_tokens == 0:
         return empty_draft(batch.num_rows, device)
-    asked = [i for i in range(len(drafters)) if np.any(plan.num_draft_tokens[plan.drafter_index == i] > 0)]
+    asked = np.unique(plan.drafter_index[plan.num_draft_tokens > 0])  # [D'] the drafters some row asks
     drafts = []
     for i in asked:
         with timer.phase(f"drafter {i}"):  # nested in "draft": each drafter's share, for policies
@@ -189,7 +189,8 @@ def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: tor
             drafts.append(drafters[i].propose(batch, np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)).to(device))
     if len(drafts) == 1:
         return drafts[0]  # every row it was not asked for has zero tokens in it
-    # rows whose drafter was not called ask for nothing: any called draft gives them zero tokens
-    owner = np.searchsorted(asked, plan.drafter_index).clip(max=len(asked) - 1)
-    owner = np.where(np.isin(plan.drafter_index, asked), owner, 0)
-    return merge_drafts(drafts, owner, vocab_size)
+    # each row's draft among those called; a row whose drafter was not called asks for nothing,
+    # and the first called draft gives it zero tokens
+    position = np.zeros(len(drafters), dtype=np.int64)
+    position[asked] = np.arange(len(asked))
+    return merge_drafts(drafts, position[plan.drafter_index], vocab_size)

@@ -648,13 +648,13 @@ def kind_oracle_bound(result: dict) -> dict[int, float]:
     for r in result.get("rows", []):
         if r["family"] == "fixed" and r["length"] == length and not r.get("error") and r["workload"] in ("copy", "continuation"):
             rates.setdefault((r["batch"], r["workload"]), {})[r["drafters"][0]] = r["tokens_per_s"]
+    mix = lambda copy_rate, continuation_rate: 1.0 / (fraction / copy_rate + (1.0 - fraction) / continuation_rate)
     bound = {}
     for batch in sorted({b for b, _ in rates}):
         copy, continuation = rates.get((batch, "copy"), {}), rates.get((batch, "continuation"), {})
         drafters = sorted(set(copy) & set(continuation))
         if not drafters:
             continue
-        mix = lambda c, n: 1.0 / (fraction / c + (1.0 - fraction) / n)
         best_single = max(mix(copy[d], continuation[d]) for d in drafters)
         bound[batch] = mix(max(copy[d] for d in drafters), max(continuation[d] for d in drafters)) / best_single
     return bound
