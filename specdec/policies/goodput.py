@@ -36,7 +36,10 @@ Searches:
   each stretch between two rows' finishing points costs the step time of the rows still
   active). generate() runs static batches, which last until their slowest row is done: at
   batch 64 fixed k = 4 and 6 took the same 53 steps (run 5), so the longer draft only made
-  steps dearer, which per-step goodput does not see.
+  steps dearer, which per-step goodput does not see. The lowest row's rate decides it, so it
+  reads each row's rate from its decayed counts shrunk towards the batch's (shrunk_rates): the
+  lowest of 64 noisy per-step averages passed for a straggler (run 7, k = 2 for 32 steps where
+  k = 4 was 7% faster).
 
 Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
 every row decodes plainly this step. Acceptance is estimated online (EMA 0.85/0.15 or a window
@@ -50,8 +53,16 @@ corrected online by measured wall times (StepTimeCalibration: medians of recent 
 bucket of active rows: the fitted model can under-predict what drafting costs at a large batch,
 and a batch's straggling last rows are a different trade-off from its first 64.
 
+Switching a row back on after more than CATCH_UP_STEPS idle steps makes a model drafter read
+every token it missed, in a step that costs more than its drafting (H200, gpu zoo: about 5 ms
+against a 1.2-2 ms step, runs 7 and 8). The policy measures that excess (catch_up_s, the
+median of recent catch-up steps) and weighs a choice that switches rows back on, charged it
+once (spread over CATCH_UP_HORIZON steps, fewer if fewer are left), against the choice
+without them; the first drafting step of a row (its prompt) is not charged.
+
 Decisions come every ``decide_every`` steps (sooner while a probe of speculation lacks its
-measurements); between them the policy does no work at all: it hands out the same plan and
+measurements, and as soon as the active rows fall into another bucket, row_bucket, as rows
+finish: a batch's tail is a different trade-off); between them the policy does no work at all: it hands out the same plan and
 keeps the steps' records, and at the next decision learns from all of them at once (the pooled
 EMA from their summed counts, with the weight 1 - 0.85^n that n one-step updates of a constant
 would give; with one step per decision this is exactly the per-step update).
@@ -61,6 +72,7 @@ Invariant: the policy changes only how many tokens are drafted; output is the ta
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -77,6 +89,9 @@ SEARCHES = ("exact", "greedy", "uniform", "finish")
 CATCH_UP_STEPS = 2  # a drafting step after more idle steps than this is not calibrated on (drafter catch-up)
 PRIOR_TRIALS = 16.0  # learn_prior: what the given prior weighs, in judged draft tokens
 PRIOR_DECAY = 0.5  # learn_prior: what an earlier call's counts keep at each new call
+CATCH_UP_HORIZON = 16  # steps a returning row's measured catch-up is spread over (fewer if fewer are left)
+FINISH_SHRINK_TRIALS = 4.0  # "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens
+FINISH_COUNT_DECAY = 0.95  # "finish": what a row's judged draft tokens keep per drafting step (a memory of about 20)
 
 
 class LearnedPrior:
@@ -321,21 +336,28 @@ SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": s
 
 def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, search: str = "exact",
                    min_gain: float = 0.10, start: np.ndarray | None = None,
-                   remaining: np.ndarray | None = None) -> tuple[np.ndarray, float, float]:
+                   remaining: np.ndarray | None = None, switch_cost_s: float = 0.0,
+                   switch_steps: int = 1) -> tuple[np.ndarray, float, float]:
     """Draft lengths [A] by ``search``, or all zeros unless they beat plain decoding by
     ``min_gain``; also returns the predicted goodput of the choice and of plain decoding (per
     step; for "finish", tokens per second until every row is done).
     start: [A] the exact search's starting choice (search_exact); remaining: [A] the rows'
-    remaining token budgets ("finish" only)."""
+    remaining token budgets ("finish" only); switch_cost_s: seconds any drafting at all costs
+    once (a drafter's catch-up on the tokens its rows missed), spread over ``switch_steps``
+    steps by the per-step searches (a fixed drafting cost of switch_cost_s / switch_steps per
+    step) and added once to the call time of every drafting length by "finish"."""
     gains = np.asarray(gains, dtype=np.float64)
     caps = np.minimum(np.asarray(caps, dtype=np.int64), gains.shape[1])
     zeros = np.zeros(len(caps), dtype=np.int64)
+    if switch_cost_s < 0 or switch_steps < 1:
+        raise ValueError(f"need switch_cost_s >= 0 and switch_steps >= 1, got {switch_cost_s!r} and {switch_steps!r}")
     if search == "finish":
         if remaining is None or len(remaining) != len(caps):
             raise ValueError("search='finish' needs every active row's remaining budget (remaining=[A])")
         if len(caps) == 0:
             return zeros, float("nan"), float("nan")
         times = call_times(gains, caps, step_time, remaining)
+        times[1:] += switch_cost_s
         total = float(np.sum(remaining))
         if not times[0] > 0:
             return zeros, float("nan"), float("nan")  # no budget left in any row: nothing to time
@@ -346,6 +368,8 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
         if chosen < (1.0 + min_gain) * plain:
             return zeros, plain, plain
         return k, chosen, plain
+    if switch_cost_s > 0:
+        step_time = dataclasses.replace(step_time, draft_fixed=step_time.draft_fixed + switch_cost_s / switch_steps)
     plain = goodput_of(gains, zeros, step_time)
     if len(caps) == 0 or caps.max() <= 0:
         return zeros, plain, plain
@@ -354,6 +378,19 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
     if chosen < (1.0 + min_gain) * plain:
         return zeros, plain, plain
     return k, chosen, plain
+
+
+def shrunk_rates(successes: np.ndarray, trials: np.ndarray, prior_rate: float,
+                 prior_trials: float = FINISH_SHRINK_TRIALS) -> np.ndarray:
+    """[B] each row's acceptance rate from its (decayed) accepted and judged draft tokens, shrunk
+    towards the batch's pooled rate: (S_i + w p) / (T_i + w), p = (sum S + w0 prior) / (sum T + w0)
+    with w = prior_trials and w0 = PRIOR_TRIALS (the mean of a Beta posterior whose prior is
+    the batch). A row with little evidence reads about the batch's rate, so the most pessimistic
+    of many noisy rates does not pass for a straggler; one with a long record of rejections keeps
+    a low rate."""
+    successes, trials = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
+    pooled = (successes.sum() + PRIOR_TRIALS * prior_rate) / (trials.sum() + PRIOR_TRIALS)
+    return (successes + prior_trials * pooled) / (trials + prior_trials)
 
 
 def row_bucket(num_rows: int) -> int:
@@ -390,6 +427,17 @@ class StepTimeCalibration:
         self._base_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW samples
         self._extra_samples: dict[int, deque[float]] = {}
         self._idle: dict[int, int] = {}  # steps without drafting since the bucket's last drafting step
+        self._catch_up_samples: deque[float] = deque(maxlen=self.WINDOW)  # seconds a catch-up step cost beyond its prediction
+
+    @property
+    def catch_up_s(self) -> float:
+        """What a catch-up step costs beyond an ordinary drafting step (the median of the last
+        WINDOW measured ones; 0 before the first): the price of switching a row back on."""
+        return statistics.median(self._catch_up_samples) if self._catch_up_samples else 0.0
+
+    def observe_catch_up(self, excess_s: float) -> None:
+        """One catch-up step's measured time minus the calibrated prediction of its drafting step."""
+        self._catch_up_samples.append(max(float(excess_s), 0.0))
 
     def apply(self, step_time: LinearStepTime, num_rows: int) -> LinearStepTime:
         bucket = row_bucket(num_rows)
@@ -412,6 +460,7 @@ class StepTimeCalibration:
         if self._idle[bucket] >= forget_after:
             del self._extra_samples[bucket]
             self.extra_scale.pop(bucket, None)
+            self._catch_up_samples.clear()  # and what switching back on costs: one slow catch-up cannot rule it out for good
             self._idle[bucket] = 0
 
     def measured(self, num_rows: int) -> bool:
@@ -523,10 +572,15 @@ class GoodputPolicy(Policy):
             # the step each row last drafted: a model drafter's step also feeds it every token it
             # missed since (the whole prompt the first time), so such steps are not calibrated on
             self._last_drafted = np.full(batch.num_rows, -(1 << 40), dtype=np.int64)
+            # "finish": each row's judged draft tokens, accepted and all, decayed by FINISH_COUNT_DECAY per step
+            self._row_successes = np.zeros(batch.num_rows)  # [B]
+            self._row_trials = np.zeros(batch.num_rows)  # [B]
+            self._bucket = row_bucket(batch.num_rows)  # the active rows' bucket at the last decision
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens,
                                                  prior=self.cold_start_rate, **self._estimator_options)
             self._decision, self._records = None, []
-        if self._steps >= self._next_decision:
+        if self._steps >= self._next_decision or (
+                self.decide_every > 1 and row_bucket(batch.num_rows - int(np.count_nonzero(batch.finished))) != self._bucket):
             self._learn()
             self._plan = self._decide_interval(batch)
         self._steps += 1
@@ -537,6 +591,8 @@ class GoodputPolicy(Policy):
         generate() applies each step) until the next one; the steps in between cost nothing."""
         caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
         active = batch.active_rows()
+        self._bucket = row_bucket(len(active))  # a change of bucket (rows finishing) brings the next decision forward
+        np.minimum(self._last_drafted, self._steps - 1, out=self._last_drafted)  # an interval cut short drafted until now
         step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index) \
             if len(active) else None
         self._lengths = self._decide(active, caps, step_time, np.asarray(batch.remaining))
@@ -566,11 +622,17 @@ class GoodputPolicy(Policy):
         if not records:
             return
         counts = None
-        if self._pooled or self.learned_prior is not None:
+        if self._pooled or self.learned_prior is not None or self.search == "finish":
             counts = StepCounts(len(self._asked))
             counts.add_steps(records, self._asked)
             if self.learned_prior is not None:
                 self.learned_prior.add(counts.successes.sum(), counts.trials.sum())
+            if self.search == "finish":
+                # older evidence fades by FINISH_COUNT_DECAY per step with a trial, and by the revisit
+                # rate per idle step (a row switched off drifts back to the batch's rate, as below)
+                keep = FINISH_COUNT_DECAY ** counts.trial_steps * (1.0 - self.revisit) ** counts.idle_steps  # [B]
+                self._row_successes = keep * self._row_successes + counts.successes
+                self._row_trials = keep * self._row_trials + counts.trials
         if self._pooled:
             self.estimator.update_counts(counts, self.drafter_index)
             if self.revisit > 0:
@@ -592,13 +654,16 @@ class GoodputPolicy(Policy):
         a plain one where no drafter ran (none asked, or every asked row capped by its budget),
         a drafting one otherwise."""
         step_time, decided = self._decision
+        first = records[0]
+        if self._catching_up and first.step_time_s and decided.any() and self._drafter_ran(first):
+            # what the catch-up step cost beyond the drafting step it also was: the price of a switch-on
+            predicted = float(self.calibration.apply(step_time, len(decided))(decided))
+            self.calibration.observe_catch_up(first.step_time_s - predicted)
         plain, drafting = [], []
         for record in records[int(self._catching_up):]:
             if not record.step_time_s:
                 continue
-            wall = record.drafter_wall_s
-            ran = bool(wall.sum() > 0) if wall is not None else bool(record.num_drafted.any())
-            (drafting if ran else plain).append(record.step_time_s)
+            (drafting if self._drafter_ran(record) else plain).append(record.step_time_s)
         if plain:
             self.calibration.observe(step_time, np.zeros_like(decided), plain)
             if self.reprobe_after:
@@ -606,22 +671,47 @@ class GoodputPolicy(Policy):
         if drafting and decided.any():
             self.calibration.observe(step_time, decided, drafting)
 
+    @staticmethod
+    def _drafter_ran(record: StepRecord) -> bool:
+        wall = record.drafter_wall_s
+        return bool(wall.sum() > 0) if wall is not None else bool(record.num_drafted.any())
+
+    def _row_rates(self, active: np.ndarray) -> np.ndarray:
+        """[A] the i.i.d. acceptance rate of each active row: the estimator's, or for "finish"
+        (which the lowest row's rate decides) shrunk_rates of the row's decayed counts."""
+        if self.search != "finish":
+            return self.estimator.rate(self.drafter_index)[active]
+        return shrunk_rates(self._row_successes, self._row_trials, self.cold_start_rate)[active]
+
     def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None,
                 remaining: np.ndarray) -> np.ndarray:
+        """Lengths [B] for the active rows. A row switched back on after more than
+        CATCH_UP_STEPS idle steps costs the drafter's catch-up (calibration.catch_up_s, measured),
+        paid once: the choice with such rows, charged it over CATCH_UP_HORIZON steps (or the
+        steps left), is weighed against the choice without them."""
         lengths = np.zeros(len(caps), dtype=np.int64)
         if len(active) == 0:
             return lengths
         if self.per_position:
             rates = self.estimator.position_rates(self.drafter_index)[active]  # [A, K]
         else:
-            alpha = self.estimator.rate(self.drafter_index)[active]
-            rates = np.repeat(alpha[:, None], self.max_draft_tokens, axis=1)
+            rates = np.repeat(self._row_rates(active)[:, None], self.max_draft_tokens, axis=1)
         gains = marginal_gains(rates) * self.estimator.coverage(self.drafter_index)[active][:, None]  # [A, K]
         if self.calibration is not None:
             step_time = self.calibration.apply(step_time, len(active))
-        chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
-            gains, caps[active], step_time, self.search, self.min_gain, start=self._lengths[active],
-            remaining=remaining[active])
+        row_caps, row_remaining = caps[active], remaining[active]
+        options = {"search": self.search, "min_gain": self.min_gain, "start": self._lengths[active], "remaining": row_remaining}
+        choice = choose_lengths(gains, row_caps, step_time, **options)
+        switch_cost = self.calibration.catch_up_s if self.calibration is not None else 0.0
+        idle = self._steps - self._last_drafted[active]  # [A]
+        returning = (self._last_drafted[active] >= 0) & (idle > CATCH_UP_STEPS) & (row_caps > 0)  # [A]
+        if switch_cost > 0 and returning.any():
+            horizon = int(max(1, min(max(self.decide_every, CATCH_UP_HORIZON), row_remaining.max())))
+            with_returning = choose_lengths(gains, row_caps, step_time, switch_cost_s=switch_cost, switch_steps=horizon,
+                                            **options)
+            without = choose_lengths(gains, np.where(returning, 0, row_caps), step_time, **options)
+            choice = with_returning if with_returning[1] > without[1] else without
+        chosen, self.predicted_goodput, self.predicted_plain_goodput = choice
         lengths[active] = chosen
         return lengths
 

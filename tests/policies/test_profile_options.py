@@ -249,6 +249,100 @@ def test_goodput_calibration_ignores_the_catch_up_step_after_a_pause():
     assert all(p.max() == 4 for p in plans[-20:])  # back on, and staying on
 
 
+def _returns_after_rejections(catch_up_s: float, steps: int = 120):
+    """Four rows drafting as modelled (plain 1 s, 0.05 s per draft pass) that reject every draft
+    token in steps 5-29 and accept 3 of 4 otherwise; a drafting step after more than two idle
+    ones (the first step included) costs ``catch_up_s`` more. -> (the first step from 30 on
+    that drafts, or None; the policy)."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    batch = BatchState([np.arange(10)] * 4, 1000, np.arange(4), np.zeros(0, dtype=np.int64))
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, learn_prior=False, revisit=0.01)
+    idle, returned = 99, None
+    for step in range(steps):
+        asked = policy.plan(batch, 1).num_draft_tokens
+        drafting = bool(asked.any())
+        seconds = 1.0 + 0.05 * int(asked.max()) + (catch_up_s if drafting and idle > 2 else 0.0)
+        accepted = np.zeros_like(asked) if 5 <= step < 30 else np.minimum(asked, 3)
+        policy.observe(_record(asked, accepted + 1, seconds))
+        idle = 0 if drafting else idle + 1
+        if drafting and step >= 30 and returned is None:
+            returned = step
+    return returned, policy
+
+
+def test_goodput_prices_the_catch_up_of_rows_switched_back_on():
+    """Rejections switch the rows off (about step 17); revisits bring their estimates back
+    towards the prior. With a cheap catch-up (0.1 s) they draft again as soon as the
+    rejections end; a dear one (40 s, measured on the first step and spread over 16 steps:
+    2.5 s a step) keeps them plain until reprobe_after = 64 idle steps forget it, and after
+    that they draft again (the accepting steps keep them warm)."""
+    cheap, cheap_policy = _returns_after_rejections(0.1)
+    dear, dear_policy = _returns_after_rejections(40.0)
+    assert cheap_policy.calibration.catch_up_s == pytest.approx(0.1, abs=1e-9)
+    assert cheap is not None and cheap < 40
+    assert dear is not None and dear >= 17 + 64 and dear_policy.calibration.catch_up_s == pytest.approx(40.0, abs=1e-9)
+
+
+def test_goodput_decides_again_when_the_active_rows_change_bucket():
+    """Deciding every 16 steps, a batch whose active rows fall from 8 to 3 (another bucket) gets
+    a decision at the next step, not 16 steps after the last one; rows finishing within a
+    bucket do not bring one forward."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    decided = []
+
+    class Counting(GoodputPolicy):
+        def _decide_interval(self, batch):
+            decided.append(self._steps)
+            return super()._decide_interval(batch)
+
+    policy = Counting(model, max_draft_tokens=4, prior=0.8, decide_every=16)
+    batch = BatchState([np.arange(10)] * 8, 200, np.arange(8), np.zeros(0, dtype=np.int64))
+    for step in range(12):
+        if step == 3:
+            batch.finished[:2] = True  # 6 active rows: still the bucket of 8
+        if step == 6:
+            batch.finished[:5] = True  # 3 active rows: the bucket of 4
+        asked = policy.plan(batch, 1).num_draft_tokens
+        policy.observe(_record(asked, np.minimum(asked, 3) + 1, 1.0 + 0.05 * int(asked.max())))
+    assert decided[0] == 0 and 6 in decided and 3 not in decided
+    assert all(s in (0, 3, 4, 6) or s > 6 for s in decided)  # the probe's early decision (3 samples) aside
+
+
+def test_shrunk_rates_pull_thin_evidence_to_the_batch_and_keep_long_records():
+    from specdec.policies.goodput import PRIOR_TRIALS, shrunk_rates
+
+    successes = np.array([30.0, 0.0, 2.0, 0.0])
+    trials = np.array([40.0, 1.0, 20.0, 0.0])
+    rates = shrunk_rates(successes, trials, prior_rate=0.5, prior_trials=4.0)
+    pooled = (32.0 + PRIOR_TRIALS * 0.5) / (61.0 + PRIOR_TRIALS)
+    assert rates == pytest.approx((successes + 4.0 * pooled) / (trials + 4.0))
+    assert rates[3] == pytest.approx(pooled)  # no evidence: the batch's rate
+    assert rates[1] > 0.35  # one rejection is not a straggler
+    assert rates[2] < 0.25  # twenty judged tokens, two accepted: it is
+    assert np.all((rates >= 0) & (rates <= 1))
+    assert shrunk_rates(np.zeros(3), np.zeros(3), prior_rate=0.7) == pytest.approx([0.7] * 3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_finish_reads_rows_of_one_rate_as_one_rate(seed):
+    """64 rows of the same acceptance rate 0.75 (each step a geometric run of accepted tokens),
+    16 steps: the "finish" search, which the lowest row's rate decides, reads every row within
+    0.2 of the truth (shrunk decayed counts); the per-step EMA of rates, which the other
+    searches use, reads its lowest row below 0.5 (seen: 0.32-0.42), a straggler that is not."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.001, drafters=[{"steps": 0.05}])
+    rng = np.random.default_rng(seed)
+    batch = BatchState([np.arange(10)] * 64, 200, np.arange(64), np.zeros(0, dtype=np.int64))
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.75, search="finish", calibrate=False, learn_prior=False)
+    for _ in range(16):
+        asked = policy.plan(batch, 1).num_draft_tokens
+        accepted = np.minimum(rng.geometric(0.25, size=64) - 1, asked)
+        policy.observe(_record(asked, accepted + 1, 1.2))
+    policy.plan(batch, 1)  # the decision learns from the steps
+    finish_rates, ema_rates = policy._row_rates(np.arange(64)), policy.estimator.rate(0)
+    assert np.all(np.abs(finish_rates - 0.75) < 0.2)
+    assert ema_rates.min() < 0.5
+
+
 def test_goodput_calibration_is_not_moved_by_one_slow_step():
     """A single step slowed down by something else (a garbage collection) neither switches
     speculation off nor shortens drafts: the calibration is a median of recent steps."""
