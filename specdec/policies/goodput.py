@@ -313,24 +313,6 @@ def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, r
     return (segment * seconds).sum(axis=1)
 
 
-def search_finish(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, remaining: np.ndarray,
-                  tolerance: float = 1e-12) -> np.ndarray:
-    """The single length (capped per row) that finishes every active row soonest (call_times);
-    ties: the shorter."""
-    times = call_times(gains, np.minimum(caps, gains.shape[1]), step_time, remaining)
-    return np.minimum(caps, _fastest_length(times, tolerance)).astype(np.int64)
-
-
-def _fastest_length(times: np.ndarray, tolerance: float = 1e-12) -> int:
-    """The index of the smallest of ``times`` [K+1] (positive), the shortest length unless a longer
-    one is faster by the relative ``tolerance``."""
-    best = 0
-    for length in range(1, len(times)):
-        if times[length] < times[best] * (1 - tolerance):
-            best = length
-    return best
-
-
 SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": search_uniform}
 
 
@@ -358,16 +340,14 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
             return zeros, float("nan"), float("nan")
         times = call_times(gains, caps, step_time, remaining)
         times[1:] += switch_cost_s
-        total = float(np.sum(remaining))
         if not times[0] > 0:
             return zeros, float("nan"), float("nan")  # no budget left in any row: nothing to time
-        plain = total / float(times[0])
-        best = _fastest_length(times)  # search_finish's choice, from the times at hand
-        k = np.minimum(caps, best).astype(np.int64)
-        chosen = total / float(times[best])
+        goodput = float(np.sum(remaining)) / times  # [K+1] tokens per second until every row is done
+        best = _shortest_best(goodput, 1e-12)  # the soonest finish, the shorter length on ties
+        plain, chosen = float(goodput[0]), float(goodput[best])
         if chosen < (1.0 + min_gain) * plain:
             return zeros, plain, plain
-        return k, chosen, plain
+        return np.minimum(caps, best).astype(np.int64), chosen, plain
     if switch_cost_s > 0:
         step_time = dataclasses.replace(step_time, draft_fixed=step_time.draft_fixed + switch_cost_s / switch_steps)
     plain = goodput_of(gains, zeros, step_time)
@@ -701,7 +681,6 @@ class GoodputPolicy(Policy):
             step_time = self.calibration.apply(step_time, len(active))
         row_caps, row_remaining = caps[active], remaining[active]
         options = {"search": self.search, "min_gain": self.min_gain, "start": self._lengths[active], "remaining": row_remaining}
-        choice = choose_lengths(gains, row_caps, step_time, **options)
         switch_cost = self.calibration.catch_up_s if self.calibration is not None else 0.0
         idle = self._steps - self._last_drafted[active]  # [A]
         returning = (self._last_drafted[active] >= 0) & (idle > CATCH_UP_STEPS) & (row_caps > 0)  # [A]
@@ -711,6 +690,8 @@ class GoodputPolicy(Policy):
                                             **options)
             without = choose_lengths(gains, np.where(returning, 0, row_caps), step_time, **options)
             choice = with_returning if with_returning[1] > without[1] else without
+        else:
+            choice = choose_lengths(gains, row_caps, step_time, **options)
         chosen, self.predicted_goodput, self.predicted_plain_goodput = choice
         lengths[active] = chosen
         return lengths
