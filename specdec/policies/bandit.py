@@ -71,6 +71,8 @@ from .base import Policy
 from .cost_model import CostModel
 
 STRATEGIES = ("ucb", "epoch")
+CONFIDENCES = ("range", "variance")
+PRIOR_SPREAD_PULLS = 2.0  # confidence="variance": pseudo-pulls at the widest spread, so an arm's first pulls cannot read as noiseless
 SCOPES = ("request", "batch", "joint")
 MAX_JOINT_DRAFTERS = 6  # joint scope enumerates the 2^D - 1 subsets of drafters
 MIN_STEP_S = 1e-9  # predicted step times are floored here (nothing measured yet: all times 0)
@@ -79,24 +81,32 @@ MIN_STEP_S = 1e-9  # predicted step times are floored here (nothing measured yet
 class BanditState:
     """``num_bandits`` independent bandits over ``num_arms`` arms.
 
-    exploration: c in the confidence radius c * sqrt(ln t / n). Rewards are normalised by the
+    exploration: c in the confidence radius c * s * sqrt(ln t / n). Rewards are normalised by the
     bandit's best arm mean, so the best arm scores about 1 (sqrt(2) is UCB1's constant for
     rewards in [0, 1]; 1.0, the default, explores less and kept regret logarithmic in the tests,
-    0.5 locked onto a worse Bernoulli arm in some runs). epoch_length: slots of the first epoch
-    ("epoch"); max_explore_fraction: the most of an epoch spent exploring.
+    0.5 locked onto a worse Bernoulli arm in some runs). confidence: what s is: "range" (1, as
+    UCB1: rewards as noisy as a fair coin over [0, 1]) or "variance" (the arm's measured standard
+    deviation over 0.5, the widest a reward in [0, 1] can spread, with PRIOR_SPREAD_PULLS
+    pseudo-pulls at 0.5: an arm whose rewards barely vary needs far fewer pulls to be told from
+    one a few percent better, as tokens per second over a batch's step do; the empirical-variance
+    idea of UCB-V, Audibert et al. 2009, without its range term). epoch_length: slots of the first
+    epoch ("epoch"); max_explore_fraction: the most of an epoch spent exploring.
     """
 
     def __init__(self, num_bandits: int, num_arms: int, strategy: str = "ucb", exploration: float = 1.0,
-                 epoch_length: int = 8, max_explore_fraction: float = 0.5):
+                 epoch_length: int = 8, max_explore_fraction: float = 0.5, confidence: str = "range"):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if confidence not in CONFIDENCES:
+            raise ValueError(f"confidence must be one of {CONFIDENCES}, got {confidence!r}")
         if num_arms < 1:
             raise ValueError("a bandit needs at least one arm")
-        self.strategy, self.exploration = strategy, float(exploration)
+        self.strategy, self.exploration, self.confidence = strategy, float(exploration), confidence
         self.epoch_length, self.max_explore_fraction = int(epoch_length), float(max_explore_fraction)
         self.num_arms = num_arms
         self.counts = np.zeros((num_bandits, num_arms), dtype=np.int64)  # [N, A] pulls
         self.sums = np.zeros((num_bandits, num_arms))  # [N, A] raw rewards
+        self.squares = np.zeros((num_bandits, num_arms))  # [N, A] raw rewards squared
         self._exploring = np.ones(num_bandits, dtype=bool)  # [N] epoch strategy: still in the explore phase
 
     @property
@@ -107,21 +117,38 @@ class BanditState:
         """[N, A] mean reward in the rewards' own unit (0 for untried arms)."""
         return self.sums / np.maximum(self.counts, 1)
 
+    def _scale(self) -> np.ndarray:
+        """[N, 1] the bandit's best raw arm mean (1 where none is positive yet)."""
+        scale = self.raw_means().max(axis=1, keepdims=True)
+        return np.where(scale > 0, scale, 1.0)
+
     def means(self) -> np.ndarray:
         """[N, A] mean reward divided by the bandit's best arm mean (0 for untried arms)."""
-        raw = self.raw_means()
-        scale = raw.max(axis=1, keepdims=True)
-        return raw / np.where(scale > 0, scale, 1.0)
+        return self.raw_means() / self._scale()
 
     def upper_bounds(self, reward_range: float) -> np.ndarray:
-        """[N, A] raw mean + reward_range * c * sqrt(ln t / n) for rewards in [0, reward_range];
-        an untried arm gets reward_range, the most it could pay."""
-        bounds = self.raw_means() + reward_range * self._radius()
+        """[N, A] raw mean + reward_range * c * s * sqrt(ln t / n) for rewards in [0, reward_range]
+        (s: ``confidence``, the spread read against reward_range / 2); an untried arm gets
+        reward_range, the most it could pay."""
+        bounds = self.raw_means() + reward_range * self._radius(reward_range / 2.0)
         return np.where(self.counts == 0, reward_range, bounds)
 
-    def _radius(self) -> np.ndarray:
+    def spread(self, half_range: np.ndarray | float) -> np.ndarray | float:
+        """[N, A] s of the confidence radius: 1 for "range"; for "variance" each arm's standard
+        deviation (PRIOR_SPREAD_PULLS pseudo-pulls at ``half_range``) over ``half_range``."""
+        if self.confidence == "range":
+            return 1.0
+        n = self.counts
+        deviations = np.maximum(self.squares - n * self.raw_means() ** 2, 0.0)  # [N, A] sum of squared deviations
+        variance = (deviations + PRIOR_SPREAD_PULLS * np.square(half_range)) / (np.maximum(n - 1, 0) + PRIOR_SPREAD_PULLS)
+        return np.sqrt(variance) / half_range
+
+    def _radius(self, half_range: np.ndarray | float | None = None) -> np.ndarray:
+        """[N, A] c * s * sqrt(ln t / n); half_range: what s reads spreads against (default: half
+        the best arm's mean, the normalised rewards' 0.5)."""
         log_t = np.log(np.maximum(self.pulls, 2))[:, None]  # [N, 1]
-        return self.exploration * np.sqrt(log_t / np.maximum(self.counts, 1))
+        spread = self.spread(0.5 * self._scale() if half_range is None else half_range)
+        return self.exploration * spread * np.sqrt(log_t / np.maximum(self.counts, 1))
 
     def choose(self) -> np.ndarray:
         """[N] the arm each bandit plays next."""
@@ -158,6 +185,7 @@ class BanditState:
         bandits, arms, rewards = np.asarray(bandits)[keep], np.asarray(arms)[keep], np.maximum(rewards[keep], 0.0)
         np.add.at(self.counts, (bandits, arms), 1)
         np.add.at(self.sums, (bandits, arms), rewards)
+        np.add.at(self.squares, (bandits, arms), rewards ** 2)
 
 
 def charged_drafter_times(record: StepRecord, gpu_s: np.ndarray) -> np.ndarray:
@@ -281,7 +309,8 @@ def choose_joint(upper: np.ndarray, verify_s: float, drafter_s: np.ndarray,
 class BanditPolicy(Policy):
     def __init__(self, num_draft_tokens: int = 4, strategy: str = "ucb", scope: str = "request",
                  cost_model: CostModel | None = None, exploration: float | None = None, epoch_length: int = 8,
-                 max_explore_fraction: float = 0.5, warm_start: int = 2, joint_objective: str = "step"):
+                 max_explore_fraction: float = 0.5, warm_start: int = 2, joint_objective: str = "step",
+                 confidence: str = "range"):
         """num_draft_tokens: every row's draft length; strategy: "ucb" or "epoch" ("ucb" only for
         joint scope); scope: "request" (one bandit per row), "batch" (one drafter for the whole
         batch per step) or "joint" (one bandit per row, the rows' drafters chosen together so
@@ -293,7 +322,9 @@ class BanditPolicy(Policy):
         earlier request taught, as up to this many pseudo-pulls per arm at the population's mean
         reward (0: each request explores every arm from scratch, which eats a short request's life);
         joint_objective (joint scope): "step" (the drafters that maximise predicted tokens per
-        second of the step) or "finish" (those that finish the batch's slowest row soonest)."""
+        second of the step) or "finish" (those that finish the batch's slowest row soonest);
+        confidence: "range" (UCB1's radius) or "variance" (scaled by each arm's measured spread,
+        BanditState)."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
             raise ValueError(f"BanditPolicy's num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if strategy not in STRATEGIES:
@@ -311,8 +342,10 @@ class BanditPolicy(Policy):
             exploration = 0.2 if scope == "joint" else 1.0
         self.num_draft_tokens = int(num_draft_tokens)
         self.strategy, self.scope, self.cost_model = strategy, scope, cost_model
+        if confidence not in CONFIDENCES:
+            raise ValueError(f"confidence must be one of {CONFIDENCES}, got {confidence!r}")
         self._options = {"strategy": strategy, "exploration": exploration, "epoch_length": epoch_length,
-                         "max_explore_fraction": max_explore_fraction}
+                         "max_explore_fraction": max_explore_fraction, "confidence": confidence}
         self.bandits: BanditState | None = None
         self._batch = None
         if isinstance(warm_start, bool) or not isinstance(warm_start, (int, np.integer)) or warm_start < 0:
@@ -383,7 +416,10 @@ class BanditPolicy(Policy):
         counts = self.population.counts[0]  # [D]
         pseudo = np.minimum(counts, self.warm_start)  # [D]
         self.bandits.counts[:] = pseudo
-        self.bandits.sums[:] = pseudo * (self.population.sums[0] / np.maximum(counts, 1))
+        mean = self.population.sums[0] / np.maximum(counts, 1)  # [D]
+        mean_square = self.population.squares[0] / np.maximum(counts, 1)  # [D] the population's spread comes along
+        self.bandits.sums[:] = pseudo * mean
+        self.bandits.squares[:] = pseudo * np.maximum(mean_square, mean ** 2)
 
     def observe(self, record: StepRecord) -> None:
         rows = np.asarray(record.rows, dtype=np.int64)
@@ -427,4 +463,5 @@ class BanditPolicy(Policy):
 
     def __repr__(self) -> str:
         joint = f", joint_objective={self.joint_objective!r}" if self.scope == "joint" else ""
-        return f"BanditPolicy(num_draft_tokens={self.num_draft_tokens}, strategy={self.strategy!r}, scope={self.scope!r}{joint})"
+        return (f"BanditPolicy(num_draft_tokens={self.num_draft_tokens}, strategy={self.strategy!r}, scope={self.scope!r}"
+                f"{joint}, confidence={self._options['confidence']!r})")
