@@ -21,8 +21,9 @@ sizes (one GPU call each) into one report.
 
 Invariant: every output of every run is compared token for token with plain decoding of the
 same requests at the same batch size (``identical``: every pass; greedy); every figure was
-measured in this run; a policy object is made fresh for each timed pass (the batch-level bandit learns across the
-calls of its run, not from the warm-up).
+measured in this run; a learning policy's timed passes each start from a copy of the policy
+after it served a history of held-out requests (never the measured ones), any other policy's
+from a fresh one (the batch-level bandit learns across the calls of its run, not from the warm-up).
 
 Results: JSON (environment, settings, workloads, cost model, tables, every run, the targets), a
 markdown report, two PNG plots, and the cost model JSON; a ``.partial.json`` is rewritten after
@@ -33,6 +34,7 @@ start after it (they are listed as skipped), so the report is always written.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import math
@@ -103,6 +105,11 @@ class PolicyBenchSettings:
     tau_profile_tokens: int = 64
     tau_profile_repeats: int = 3  # measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median)
     warmup_tokens: int = 8  # new tokens of each untimed warm-up call
+    # held-out requests each learning policy (GoodputPolicy, BanditPolicy) serves, untimed, before
+    # its timed passes, which each start from a copy of what it learnt (a policy in service has a
+    # past; fresh, the bandits spent the whole of a batch-64 call exploring, runs 4-9): at batch B,
+    # max(B, history_prompts) in calls of B; at batch 1, batch1_prompts; 0: every pass starts fresh
+    history_prompts: int = 16
     repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
     time_limit_s: float | None = None  # no cell (batch size, workload) starts after this many seconds
     pin_cpu: bool = False  # timed passes with the main thread on one core of the GPU's NUMA node (bench.affinity)
@@ -119,6 +126,11 @@ class Method:
     drafters: tuple[str, ...]  # given to generate(), in this order
     length: int  # fixed: k; goodput / batch_adaptive: the longest draft; bandit: k
     make: Callable[[str], Policy] = field(repr=False)  # workload name -> a fresh policy
+
+    @property
+    def learns(self) -> bool:
+        """Whether the policy learns from the calls it serves (and so first serves a history)."""
+        return self.family in ("goodput", "bandit")
 
 
 class Tally(Policy):
@@ -270,7 +282,11 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     # batch size (run 4's batch-1 part profiled one request: its tau said 2.1 where runs got 3.9)
     profile_rows = max(1, settings.profile_prompts)
     held_out = generator.standard(profile_rows, settings.workloads, offset=count, mixed_fraction=settings.mixed_fraction)
-    all_prompts = [p for w in (*workloads.values(), *held_out.values()) for p in w.prompts()]
+    # the learning policies' past: more held-out requests, after the profile's
+    history_rows = max(history_size(settings, b) for b in batch_sizes)
+    history = generator.standard(max(history_rows, 1), settings.workloads, offset=count + profile_rows,
+                                 mixed_fraction=settings.mixed_fraction)
+    all_prompts = [p for w in (*workloads.values(), *held_out.values(), *history.values()) for p in w.prompts()]
     K = max(settings.max_draft_tokens, settings.bandit_length, *settings.lengths)
     max_rows = batch_sizes[0]
 
@@ -366,8 +382,9 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         size = settings.batch1_prompts if batch == 1 else max(batch, settings.num_prompts)
         prompts, kinds = workload.prompts(size), np.array([KINDS.index(k) for k in workload.kinds(size)])
         before = _runner_ids(models)
+        past = history[workload_name].prompts(history_size(settings, batch)) if settings.history_prompts > 0 else []
         measured = measure_cell(target, drafters, grid_methods, workload_name, prompts, kinds, batch, settings, eos,
-                                graphs, compiled, cpus)
+                                graphs, compiled, cpus, history=past)
         rebuilt = _runner_ids(models) != before
         reference = measured[0].get("sequences")  # plain decoding comes first
         for index, (method, row) in enumerate(zip(grid_methods, measured), start=1):
@@ -398,6 +415,13 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     return result
 
 
+def history_size(settings: PolicyBenchSettings, batch: int) -> int:
+    """Held-out requests a learning policy serves before its timed passes at this batch size."""
+    if settings.history_prompts <= 0:
+        return 0
+    return settings.batch1_prompts if batch == 1 else max(batch, settings.history_prompts)
+
+
 def timing_threads(settings: PolicyBenchSettings) -> int | None:
     """The torch thread count for timed work: ``timing_threads`` on CUDA; None (as they are) on a
     CPU, where the intra-op threads do the work."""
@@ -415,9 +439,10 @@ def timing_cpus(settings: PolicyBenchSettings) -> list[int] | None:
 
 def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: str, prompts: list[list[int]],
                  kinds: np.ndarray, batch: int, settings: PolicyBenchSettings, eos, graphs: bool,
-                 compiled: bool, cpus: list[int] | None = None) -> list[dict]:
+                 compiled: bool, cpus: list[int] | None = None, history: list[list[int]] = ()) -> list[dict]:
     """Every method on one workload at one batch size -> a row per method (with its sequences,
-    for the comparison). First one short untimed warm-up call per method; then ``repeats``
+    for the comparison). First one short untimed warm-up call per method, and each learning
+    policy serves ``history`` (held-out requests, in calls of ``batch``, untimed); then ``repeats``
     rounds, each timing one pass of every method (the order rotated from round to round), so a
     slow spell of the machine falls on every method alike rather than on one method's passes.
     Each pass runs every chunk of ``batch`` prompts with a fresh policy, the device
@@ -425,12 +450,14 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     whichever pass it happens to fall in); one full collection per cell, after which the objects
     alive are frozen out of later collections. With ``cpus`` (``timing_cpus``) the rounds run
     with the main thread on those CPUs; they run with ``timing_threads`` torch threads, and each
-    pass starts after ``gpu_warmup_ms`` of GPU work (bench.affinity). A method that raises gets an
-    error row and takes no further part."""
+    pass starts after ``gpu_warmup_ms`` of GPU work (bench.affinity). A learning policy's every
+    pass starts from a copy of the policy that served the history (a fresh one without history).
+    A method that raises gets an error row and takes no further part."""
     chunk_starts = range(0, len(prompts), batch)
     chunks = [prompts[i : i + batch] for i in chunk_starts]
     longest = max(range(len(chunks)), key=lambda c: max(map(len, chunks[c])))
     calls, passes, errors, spent = [], [[] for _ in grid_methods], {}, [0.0] * len(grid_methods)
+    trained: dict[int, Policy] = {}  # method index -> the policy that served the history
     for index, method in enumerate(grid_methods):
         given = [drafters[n] for n in method.drafters]
         kwargs = {"drafter": given or None, "verifier": PaddingFreeVerifier(), "eos_token_id": eos,
@@ -441,6 +468,9 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
             with torch_threads(timing_threads(settings)):  # as the timed passes run
                 generate(target, chunks[longest], policy=method.make(workload), max_new_tokens=settings.warmup_tokens,
                          **kwargs)
+                if method.learns and history:
+                    trained[index] = serve_history(target, method.make(workload), history, batch,
+                                                   settings.max_new_tokens, kwargs)
         except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
             errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
         spent[index] += time.perf_counter() - started
@@ -457,7 +487,7 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
                 if index in errors:
                     continue
                 given, kwargs = calls[index]
-                policy = grid_methods[index].make(workload)
+                policy = copy.deepcopy(trained[index]) if index in trained else grid_methods[index].make(workload)
                 tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
                 started = time.perf_counter()
                 try:
@@ -483,6 +513,14 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
         else:
             rows.append({**summarise_passes(method, passes[index]), "elapsed_s": spent[index]})
     return rows
+
+
+def serve_history(target, policy: Policy, prompts: list[list[int]], batch: int, max_new_tokens: int,
+                  kwargs: dict) -> Policy:
+    """``policy`` after serving ``prompts`` in calls of ``batch`` (what it learns, it keeps)."""
+    for start in range(0, len(prompts), batch):
+        generate(target, prompts[start : start + batch], policy=policy, max_new_tokens=max_new_tokens, **kwargs)
+    return policy
 
 
 def summarise_passes(method: Method, passes: list[tuple]) -> dict:
@@ -688,7 +726,17 @@ def timing_conditions(settings: dict, cpus: list[int] | None) -> str:
     return (f"Timing: {settings.get('repeats', '?')} passes per run, tokens/s from the median pass; "
             f"{'main thread pinned to CPU ' + ','.join(map(str, cpus)) if cpus else 'main thread unpinned'}; "
             f"{str(threads) + ' torch thread(s)' if threads and on_cuda else 'torch threads as they were'}; "
-            f"{f'{warmup:g} ms of GPU work before each pass' if warmup and on_cuda else 'no GPU warm-up before a pass'}.")
+            f"{f'{warmup:g} ms of GPU work before each pass' if warmup and on_cuda else 'no GPU warm-up before a pass'}"
+            f"; {history_conditions(settings)}.")
+
+
+def history_conditions(settings: dict) -> str:
+    """How the learning policies' passes started (results from before the history: fresh)."""
+    history = settings.get("history_prompts", 0)
+    if not history:
+        return "every pass of a learning policy started from a fresh policy"
+    return (f"every pass of a learning policy (GoodputPolicy, BanditPolicy) started from its state after serving "
+            f"max(B, {history}) held-out requests at batch B ({settings.get('batch1_prompts', '?')} at batch 1), untimed")
 
 
 def markdown(result: dict) -> str:
@@ -961,6 +1009,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-grid", choices=("default", "tiny"), default=d.profile_grid)
     p.add_argument("--time-limit-s", type=float, default=None, help="start no cell (batch size, workload) after this many seconds")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per run (median); --quick: 1")
+    p.add_argument("--history-prompts", type=int, default=d.history_prompts,
+                   help="held-out requests each learning policy serves before its timed passes (at batch B: at "
+                        "least B; at batch 1: --batch1-prompts); 0: every pass starts fresh; --quick: 4")
     p.add_argument("--tau-profile-tokens", type=int, default=d.tau_profile_tokens,
                    help="new tokens per request of the tau profile (GoodputPolicy's prior, BatchAdaptivePolicy's table)")
     p.add_argument("--profile-repeats", dest="tau_profile_repeats", type=int, default=d.tau_profile_repeats,
@@ -995,7 +1046,9 @@ def settings_from(args) -> PolicyBenchSettings:
         bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed,
         repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats,
         tau_profile_tokens=args.tau_profile_tokens, timing_threads=args.timing_threads or None,
-        gpu_warmup_ms=args.gpu_warmup_ms)
+        gpu_warmup_ms=args.gpu_warmup_ms, history_prompts=args.history_prompts)
+    if settings.history_prompts < 0:
+        raise SystemExit(f"--history-prompts must be >= 0 (0: no history), got {settings.history_prompts}")
     if (args.timing_threads or 0) < 0 or args.gpu_warmup_ms < 0:
         raise SystemExit(f"--timing-threads and --gpu-warmup-ms must be >= 0, got {args.timing_threads} and {args.gpu_warmup_ms}")
     if settings.repeats < 1:
@@ -1007,7 +1060,7 @@ def settings_from(args) -> PolicyBenchSettings:
         defaults = parser().parse_args([])
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
                  "num_model_drafters": 1, "profile_grid": "tiny", "repeats": 1,
-                 "prompt_tokens": 128, "tau_profile_repeats": 1, "tau_profile_tokens": 32}
+                 "prompt_tokens": 128, "tau_profile_repeats": 1, "tau_profile_tokens": 32, "history_prompts": 4}
         chosen = {k: v for k, v in quick.items() if getattr(args, k) == getattr(defaults, k)}
         settings = replace(settings, **chosen, profile_prompts=4, max_new_tokens=min(settings.max_new_tokens, 32))
     unknown = set(settings.workloads) - set(STANDARD)

@@ -310,7 +310,7 @@ class BanditPolicy(Policy):
     def __init__(self, num_draft_tokens: int = 4, strategy: str = "ucb", scope: str = "request",
                  cost_model: CostModel | None = None, exploration: float | None = None, epoch_length: int = 8,
                  max_explore_fraction: float = 0.5, warm_start: int = 2, joint_objective: str = "step",
-                 confidence: str = "range"):
+                 confidence: str = "variance"):
         """num_draft_tokens: every row's draft length; strategy: "ucb" or "epoch" ("ucb" only for
         joint scope); scope: "request" (one bandit per row), "batch" (one drafter for the whole
         batch per step) or "joint" (one bandit per row, the rows' drafters chosen together so
@@ -323,8 +323,9 @@ class BanditPolicy(Policy):
         reward (0: each request explores every arm from scratch, which eats a short request's life);
         joint_objective (joint scope): "step" (the drafters that maximise predicted tokens per
         second of the step) or "finish" (those that finish the batch's slowest row soonest);
-        confidence: "range" (UCB1's radius) or "variance" (scaled by each arm's measured spread,
-        BanditState)."""
+        confidence: "variance" (the radius scaled by each arm's measured spread, BanditState:
+        tokens per second over a step are steady, and drafters a few percent apart are told apart
+        within a call) or "range" (UCB1's radius, for rewards as noisy as coins)."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
             raise ValueError(f"BanditPolicy's num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if strategy not in STRATEGIES:

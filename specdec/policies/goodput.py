@@ -90,7 +90,11 @@ CATCH_UP_STEPS = 2  # a drafting step after more idle steps than this is not cal
 PRIOR_TRIALS = 16.0  # learn_prior: what the given prior weighs, in judged draft tokens
 PRIOR_DECAY = 0.5  # learn_prior: what an earlier call's counts keep at each new call
 CATCH_UP_HORIZON = 16  # steps a returning row's measured catch-up is spread over (fewer if fewer are left)
-FINISH_SHRINK_TRIALS = 4.0  # "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens
+# "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens: as much
+# as a row's first four steps at k = 4. At 4, a first probe's 16 judged tokens per row left the
+# lowest of 54 rows reading a straggler, and "finish" chose k = 0 for 16 steps where k = 4 was
+# best (run 9, continuation b16 and b64; tests/policies/test_profile_options.py)
+FINISH_SHRINK_TRIALS = 16.0
 FINISH_COUNT_DECAY = 0.95  # "finish": what a row's judged draft tokens keep per drafting step (a memory of about 20)
 
 

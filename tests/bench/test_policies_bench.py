@@ -13,7 +13,7 @@ import pytest
 
 from specdec.__main__ import main
 from specdec.bench.policies import kind_oracle_bound, markdown, policy_targets
-from specdec.policies import CostModel
+from specdec.policies import CostModel, FixedPolicy
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +254,46 @@ def test_the_timing_condition_options_reach_the_settings():
     for option in ("--timing-threads", "--gpu-warmup-ms"):
         with pytest.raises(SystemExit, match="must be >= 0"):
             settings_from(parser().parse_args([option, "-1"]))
+
+
+class CallCountingPolicy(FixedPolicy):
+    """A FixedPolicy that counts the generate() calls it served; the log holds, per call, the
+    count including that call (a copy carries its original's count)."""
+
+    log: list[tuple[str, int]] = []
+
+    def __init__(self, label: str):
+        super().__init__(2)
+        self.label, self.calls, self._batch = label, 0, None
+
+    def plan(self, batch, num_drafters):
+        if batch is not self._batch:
+            self._batch, self.calls = batch, self.calls + 1
+            CallCountingPolicy.log.append((self.label, self.calls))
+        return super().plan(batch, num_drafters)
+
+
+def test_a_learning_policy_serves_the_history_and_each_pass_starts_from_a_copy():
+    """measure_cell with a history of 4 requests at batch 2: a learning policy serves it (2
+    calls) after its warm-up call, and each of the 2 timed passes starts from a copy of it (its
+    2 calls are the 3rd and 4th that policy served, in both passes); a fixed policy serves no
+    history (passes count 1 and 2); without a history the learning one starts fresh too."""
+    import numpy as np
+    from dataclasses import replace
+
+    from specdec.bench.policies import Method, PolicyBenchSettings, measure_cell
+    from specdec.drafters import PromptLookupDrafter
+    from tests.tiny import make_model, random_prompts
+
+    target = make_model("llama", seed=0)
+    prompts, history = random_prompts(4, 96, seed=1, min_len=4), random_prompts(4, 96, seed=2, min_len=4)
+    methods = [Method("fixed", "fixed", "", ("lookup",), 2, lambda w: CallCountingPolicy("fixed")),
+               Method("learner", "bandit", "ucb", ("lookup",), 2, lambda w: CallCountingPolicy("learner"))]
+    settings = replace(PolicyBenchSettings(device="cpu", max_new_tokens=6, repeats=2, warmup_tokens=2), timing_threads=None)
+    for past, learner_calls in ((history, [1, 1, 2, 3, 4, 3, 4]), ([], [1, 1, 2, 1, 2])):
+        CallCountingPolicy.log = []
+        rows = measure_cell(target, {"lookup": PromptLookupDrafter()}, methods, "mixed", prompts, np.zeros(4, dtype=np.int64),
+                            2, settings, None, False, False, history=past)
+        assert all(not r.get("error") for r in rows), rows
+        assert [n for label, n in CallCountingPolicy.log if label == "fixed"] == [1, 1, 2, 1, 2]
+        assert [n for label, n in CallCountingPolicy.log if label == "learner"] == learner_calls

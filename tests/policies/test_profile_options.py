@@ -443,3 +443,32 @@ def test_goodput_policy_starts_a_new_call_at_the_acceptance_of_the_last(learn_pr
     assert policy.estimator.rate(0).tolist() == pytest.approx([expected] * 3)
     with pytest.raises(ValueError, match="prior"):
         GoodputPolicy(model, prior=[0.3])
+
+
+@pytest.mark.parametrize("num_rows", [13, 54])
+def test_finish_does_not_stop_drafting_on_a_first_probe_of_similar_rows(num_rows):
+    """Run 9's k = 0 stretch: rows of similar acceptance (Beta(21.6, 8.4), mean 0.72, sd 0.08),
+    a cost model with the H200 run's coefficients, "finish" deciding every 4 steps. After the
+    first probe, the lowest row's rate from 16 judged tokens decides. With the batch weighing as
+    much as that probe in each row's rate (FINISH_SHRINK_TRIALS = 16) the decision is k >= 2 in
+    every one of 20 seeded batches (k with the known rates: 2 or 3); at the old weight 4, k = 0
+    came in 6 of 20 batches of 13 rows and 18 of 20 of 54."""
+    from specdec.policies.goodput import shrunk_rates
+
+    assert shrunk_rates.__defaults__ == (16.0,)
+    model = CostModel.from_coefficients(c_fixed=1.175e-3, c_tok=4.03e-7, c_kv=5.25e-9,
+                                        drafters=[{"fixed": 2.0e-4, "rows": 1.2e-7, "steps": 1.88e-4, "tokens": 1.3e-7,
+                                                   "kv_tokens": 2.3e-9, "context_tokens": 2.8e-9}])
+    chosen = []
+    for seed in range(20):
+        rng = np.random.default_rng(100 + seed)
+        rates = np.clip(rng.beta(0.72 * 30, 0.28 * 30, size=num_rows), 0.05, 0.95)
+        batch = BatchState([np.arange(300)] * num_rows, 128, np.arange(num_rows), np.zeros(0, dtype=np.int64))
+        policy = GoodputPolicy(model, max_draft_tokens=8, prior=0.716, search="finish", calibrate=False,
+                               learn_prior=False, decide_every=4)
+        for _ in range(5):
+            asked = policy.plan(batch, 1).num_draft_tokens
+            accepted = np.minimum(rng.geometric(1.0 - rates) - 1, asked)
+            policy.observe(_record(asked, accepted + 1, 2e-3))
+        chosen.append(int(asked.max()))  # the plan after the probe
+    assert min(chosen) >= 2, chosen
