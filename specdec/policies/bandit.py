@@ -44,7 +44,7 @@ verify pass's keys are sum(L_r + k_r), as in ``CostModel.step_time``). Each step
 of drafters, among all non-empty ones, that maximises the predicted goodput
 sum_r max_{d in S} u[r, d] / (T_verify + sum_{d in S} T_d) (ties: the smaller subset, then
 lower indices); each row drafts with its best drafter in S. The subsets are enumerated, so joint
-scope takes at most 6 drafters, and it plays UCB only. With ``joint_objective="finish"`` (ours,
+scope takes at most 6 drafters, and it plays UCB only. With ``objective="finish"`` (ours,
 for static batches, which last until their slowest row is done) S instead minimises the
 predicted time to finish, max_r (R_r / max_{d in S} u[r, d]) * (T_verify + sum_{d in S} T_d), R_r
 the row's remaining budget: per step, prompt lookup and a model drafter tied on a batch of 64
@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import math
 import statistics
 
 import numpy as np
@@ -74,6 +75,8 @@ STRATEGIES = ("ucb", "epoch")
 CONFIDENCES = ("range", "variance")
 PRIOR_SPREAD_PULLS = 2.0  # confidence="variance": pseudo-pulls at the widest spread, so an arm's first pulls cannot read as noiseless
 SCOPES = ("request", "batch", "joint")
+OBJECTIVES = ("step", "finish")
+BATCH_FINISH_QUANTILE = 0.25  # batch scope, objective "finish": the share of drafting rows, slowest first, a step's reward counts
 MAX_JOINT_DRAFTERS = 6  # joint scope enumerates the 2^D - 1 subsets of drafters
 MIN_STEP_S = 1e-9  # predicted step times are floored here (nothing measured yet: all times 0)
 
@@ -230,6 +233,17 @@ def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
     return times
 
 
+def slowest_share_tokens(emitted: np.ndarray, drafted: np.ndarray, share: float = BATCH_FINISH_QUANTILE) -> float:
+    """The step's tokens as if every active row had emitted as little as its slowest ones: the
+    mean over the ceil(share x n) drafting rows that emitted least, times the active rows
+    (emitted: [A] tokens per active row; drafted: [A] whether the row drafted). NaN when no row
+    drafted (a step that says nothing about the drafter)."""
+    mine = np.sort(np.asarray(emitted, dtype=np.float64)[np.asarray(drafted, dtype=bool)])  # [n]
+    if len(mine) == 0:
+        return float("nan")
+    return float(mine[: max(1, math.ceil(share * len(mine)))].mean() * len(emitted))
+
+
 class StepTimeAverages:
     """Joint scope's measured step times: an exponential moving average (``decay`` old, 1 - decay
     new) of the rest of the step (verification, commit, policy), and per drafter the median of
@@ -309,7 +323,7 @@ def choose_joint(upper: np.ndarray, verify_s: float, drafter_s: np.ndarray,
 class BanditPolicy(Policy):
     def __init__(self, num_draft_tokens: int = 4, strategy: str = "ucb", scope: str = "request",
                  cost_model: CostModel | None = None, exploration: float | None = None, epoch_length: int = 8,
-                 max_explore_fraction: float = 0.5, warm_start: int = 2, joint_objective: str = "step",
+                 max_explore_fraction: float = 0.5, warm_start: int = 2, objective: str = "step",
                  confidence: str = "variance"):
         """num_draft_tokens: every row's draft length; strategy: "ucb" or "epoch" ("ucb" only for
         joint scope); scope: "request" (one bandit per row), "batch" (one drafter for the whole
@@ -321,8 +335,11 @@ class BanditPolicy(Policy):
         warm_start (request and joint scope): a new request's bandit starts from what every
         earlier request taught, as up to this many pseudo-pulls per arm at the population's mean
         reward (0: each request explores every arm from scratch, which eats a short request's life);
-        joint_objective (joint scope): "step" (the drafters that maximise predicted tokens per
-        second of the step) or "finish" (those that finish the batch's slowest row soonest);
+        objective (batch and joint scope): "step" (joint: the drafters that maximise predicted
+        tokens per second of the step; batch: the reward is the batch's tokens per second of the
+        step) or "finish" (joint: those that finish the batch's slowest row soonest; batch: the
+        reward counts the step's slowest quarter of drafting rows, BATCH_FINISH_QUANTILE, as if
+        every row had emitted as little, since a static batch lasts as long as its slowest row);
         confidence: "variance" (the radius scaled by each arm's measured spread, BanditState:
         tokens per second over a step are steady, and drafters a few percent apart are told apart
         within a call) or "range" (UCB1's radius, for rewards as noisy as coins)."""
@@ -334,9 +351,11 @@ class BanditPolicy(Policy):
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         if scope == "joint" and strategy != "ucb":
             raise ValueError(f"scope='joint' chooses drafters by upper confidence bounds: strategy must be 'ucb', got {strategy!r}")
-        if joint_objective not in ("step", "finish"):
-            raise ValueError(f"joint_objective must be 'step' or 'finish', got {joint_objective!r}")
-        self.joint_objective = joint_objective
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if objective != "step" and scope == "request":
+            raise ValueError(f"objective={objective!r} is for batch and joint scope; request scope rewards each row by its own tokens per second")
+        self.objective = objective
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if exploration is None:
@@ -392,7 +411,7 @@ class BanditPolicy(Policy):
         arms = np.zeros(batch.num_rows, dtype=np.int64)
         if len(drafting):
             upper = self.bandits.upper_bounds(self.num_draft_tokens + 1)[drafting]  # [A, D]
-            remaining = batch.remaining[drafting] if self.joint_objective == "finish" else None
+            remaining = batch.remaining[drafting] if self.objective == "finish" else None
             _, arms[drafting] = choose_joint(upper, *self._predicted_times(active, drafting), remaining=remaining)
         return arms
 
@@ -437,7 +456,8 @@ class BanditPolicy(Policy):
                 self._observe_rows(rows, np.where(seconds > 0, emitted / seconds, np.nan))
         else:
             total = seconds.sum()
-            self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [emitted.sum() / total if total > 0 else np.nan])
+            tokens = emitted.sum() if self.objective == "step" else slowest_share_tokens(emitted, self._asked[rows] > 0)
+            self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [tokens / total if total > 0 else np.nan])
 
     def _observe_rows(self, rows: np.ndarray, rewards: np.ndarray) -> None:
         """Each row's bandit and the population learn the row's reward ([A], for ``rows``)."""
@@ -463,6 +483,6 @@ class BanditPolicy(Policy):
         self.step_times.update(base_s, drafter_s, drafted)
 
     def __repr__(self) -> str:
-        joint = f", joint_objective={self.joint_objective!r}" if self.scope == "joint" else ""
+        joint = f", objective={self.objective!r}" if self.scope != "request" else ""
         return (f"BanditPolicy(num_draft_tokens={self.num_draft_tokens}, strategy={self.strategy!r}, scope={self.scope!r}"
                 f"{joint}, confidence={self._options['confidence']!r})")

@@ -39,7 +39,7 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     # every fixed pair: prompt lookup and one model drafter at k in {2, 4}; five bandits; three goodputs
     fixed = {(r["drafters"][0], r["length"]) for r in rows if r["family"] == "fixed"}
     assert fixed == {(d, k) for d in result["drafters"] for k in (2, 4)} and len(result["drafters"]) == 2
-    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level", "joint", "joint-finish"}
+    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level", "batch-finish", "joint"}
     assert {r["variant"] for r in rows if r["family"] == "goodput"} == {"per-row", "uniform", "finish"}
     assert sum(1 for r in rows if r["family"] == "fixed") == 4 * 3 * 2
     # two timed passes per run, tokens/s from their median; both passes' outputs checked

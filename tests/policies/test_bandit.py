@@ -445,7 +445,7 @@ def brute_force_joint_finish(upper, verify_s, drafter_s, remaining):
 
 
 def test_joint_finish_choice_matches_brute_force_and_follows_the_slowest_row():
-    """joint_objective="finish": the vectorised choice is the enumeration's on random instances.
+    """objective="finish": the vectorised choice is the enumeration's on random instances.
     On run 6's batch-64 figures (per row and ms, prompt lookup and the model drafter tie per
     step) the step objective keeps both drafters for the copy rows, while "finish" runs the model
     drafter alone, which the continuation rows (lookup finds little) need."""
@@ -466,5 +466,42 @@ def test_joint_finish_choice_matches_brute_force_and_follows_the_slowest_row():
     finish_subset, finish_arms = choose_joint(upper, verify_s, drafter_s, remaining=remaining)
     assert step_subset.tolist() == [True, True] and step_arms.tolist() == [0, 0, 1, 1]
     assert finish_subset.tolist() == [False, True] and finish_arms.tolist() == [1, 1, 1, 1]
-    with pytest.raises(ValueError, match="joint_objective"):
-        BanditPolicy(4, scope="joint", joint_objective="calls")
+    with pytest.raises(ValueError, match="objective"):
+        BanditPolicy(4, scope="joint", objective="calls")
+
+
+def test_slowest_share_tokens_counts_the_slowest_quarter_of_drafting_rows():
+    from specdec.policies.bandit import slowest_share_tokens
+
+    emitted = np.array([1, 5, 5, 5, 1, 5, 5, 5, 1])  # the last row did not draft
+    drafted = np.array([True] * 8 + [False])
+    assert slowest_share_tokens(emitted, drafted) == pytest.approx(1.0 * 9)  # slowest 2 of 8: both 1
+    assert slowest_share_tokens(np.array([4]), np.array([True])) == 4.0  # one row: its own tokens
+    assert np.isnan(slowest_share_tokens(np.array([1, 1]), np.array([False, False])))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_finish_objective_prefers_the_drafter_without_stragglers(seed):
+    """A batch of 16 rows, two drafters. Drafter 0 (prompt-lookup-like) makes a quarter of the
+    rows emit 5 tokens a step and the rest 1, at 1.0 s a step: 2.0 tokens per row per second.
+    Drafter 1 makes every row emit 2 or 3, at 1.4 s: 1.79. The step objective's reward is
+    tokens per second and favours drafter 0; a static batch, though, lasts as long as its slowest
+    rows, which go at 1.0 against 1.43 tokens per second: "finish" rewards the slowest quarter
+    and favours drafter 1. Over 400 steps each objective plays its favourite in >= 80% of them."""
+    rng = np.random.default_rng(seed)
+
+    def share_of_drafter_1(objective):
+        policy = BanditPolicy(num_draft_tokens=4, strategy="epoch", scope="batch", objective=objective)
+        batch, played = endless_batch(16), []
+        for _ in range(400):
+            arm = int(policy.plan(batch, num_drafters=2).drafter_index[0])
+            if arm == 0:
+                emitted, seconds = np.where(rng.random(16) < 0.25, 5, 1), 1.0
+            else:
+                emitted, seconds = rng.integers(2, 4, size=16), 1.4
+            policy.observe(make_record([4] * 16, emitted, [arm] * 16, seconds - 0.5, 0.5))
+            played.append(arm)
+        return np.mean(played)
+
+    assert share_of_drafter_1("step") <= 0.2
+    assert share_of_drafter_1("finish") >= 0.8

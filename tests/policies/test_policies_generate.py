@@ -124,8 +124,8 @@ def test_bandit_is_exact_and_switches_drafters(strategy, scope):
 
 
 @pytest.mark.parametrize("options", [{"scope": "request"}, {"scope": "joint"},
-                                     {"scope": "joint", "joint_objective": "finish"}],
-                         ids=["request", "joint", "joint-finish"])
+                                     {"scope": "joint", "objective": "finish"}, {"scope": "batch", "objective": "finish"}],
+                         ids=["request", "joint", "joint-finish", "batch-finish"])
 def test_bandit_with_a_cost_model_is_exact(options):
     model = CostModel.from_coefficients(c_fixed=1e-2, c_tok=1e-4, drafters=[{"steps": 2e-3}, {"fixed": 1e-4}])
     prompts, eos = prompts_and_eos(4, seed=9)
