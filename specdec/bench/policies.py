@@ -492,6 +492,7 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
                     continue
                 given, kwargs = calls[index]
                 policy = copy.deepcopy(trained[index]) if index in trained else grid_methods[index].make(workload)
+                at_start = learnt_state(policy)
                 tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
                 started = time.perf_counter()
                 try:
@@ -502,7 +503,7 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
                     outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
                                for chunk, tally in zip(chunks, tallies)]
                     synchronise(settings.device)
-                    passes[index].append((time.perf_counter() - started, outputs, tallies, policy))
+                    passes[index].append((time.perf_counter() - started, outputs, tallies, policy, at_start))
                 except Exception as error:  # noqa: BLE001
                     errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
                 finally:
@@ -527,14 +528,28 @@ def serve_history(target, policy: Policy, prompts: list[list[int]], batch: int, 
     return policy
 
 
+def learnt_state(policy: Policy) -> dict:
+    """What a learning policy knows before a pass (JSON): GoodputPolicy's cold-start acceptance
+    and calibration; a batch-scope bandit's pulls and mean rewards per drafter; {} otherwise."""
+    if isinstance(policy, GoodputPolicy):
+        state = {"cold_start_rate": policy.cold_start_rate}
+        if policy.calibration is not None:
+            state["base_scale"] = {str(b): v for b, v in sorted(policy.calibration.base_scale.items())}
+            state["extra_scale"] = {str(b): v for b, v in sorted(policy.calibration.extra_scale.items())}
+        return state
+    if isinstance(policy, BanditPolicy) and policy.scope == "batch" and policy.bandits is not None:
+        return {"pulls": policy.bandits.counts[0].tolist(), "mean_reward": policy.bandits.raw_means()[0].tolist()}
+    return {}
+
+
 def summarise_passes(method: Method, passes: list[tuple]) -> dict:
-    """One method's timed passes [(seconds, outputs, tallies, policy)] -> its row: time and
+    """One method's timed passes [(seconds, outputs, tallies, policy, learnt state at the start)] -> its row: time and
     statistics from the median pass (the slower middle one for an even count; adaptive policies
     may choose differently from pass to pass), every pass's output checked against the first."""
     timings = [p[0] for p in passes]
     chosen = int(np.argsort(timings)[len(timings) // 2])
-    seconds, outputs, tallies, policy = passes[chosen]
-    every_pass = [[s for out in outs for s in out.sequences] for _, outs, _, _ in passes]
+    seconds, outputs, tallies, policy, at_start = passes[chosen]
+    every_pass = [[s for out in outs for s in out.sequences] for _, outs, *_ in passes]
     calibration = getattr(policy, "calibration", None)  # GoodputPolicy's measured corrections, by active rows
     sequences = [s for out in outputs for s in out.sequences]
     tokens = sum(map(len, sequences))
@@ -561,6 +576,7 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
         **({"calibration": {"base_scale": {str(b): v for b, v in sorted(calibration.base_scale.items())},
                             "extra_scale": {str(b): v for b, v in sorted(calibration.extra_scale.items())}}}
            if calibration is not None else {}),
+        **({"learnt_at_start": at_start} if at_start else {}),  # what the history taught, as the median pass began
         "sequences": sequences,
         "passes_agree": all(p == sequences for p in every_pass),
     }

@@ -55,6 +55,27 @@ def rate_from_expected_tokens(expected_tokens, grid_points: int = 1001) -> float
     return float(rates[np.argmin(error), 0])
 
 
+def rate_matching_tokens(steps_by_length, tokens_by_length, iterations: int = 60) -> float:
+    """The i.i.d. acceptance rate a with sum_s n_s E[tau](s) = sum_s t_s (bisection on [0, 1];
+    E[tau] grows with a): n_s row-steps that drafted s tokens (index s), t_s the tokens they
+    emitted. Pooled over rows of different rates, it predicts the batch's tokens per step at
+    the lengths drafted, where accepted over judged tokens reads high: rows that accept long
+    runs judge more tokens per step and weigh more. 0 steps: NaN."""
+    steps = np.asarray(steps_by_length, dtype=np.float64)  # [S]
+    target = float(np.sum(tokens_by_length))
+    if steps.sum() <= 0:
+        return float("nan")
+    lengths = np.arange(len(steps), dtype=np.float64)
+    low, high = 0.0, 1.0
+    for _ in range(iterations):
+        middle = 0.5 * (low + high)
+        if float(steps @ expected_emitted(middle, lengths)) < target:
+            low = middle
+        else:
+            high = middle
+    return 0.5 * (low + high)
+
+
 def marginal_gains(position_rates: np.ndarray) -> np.ndarray:
     """[..., K] conditional rates -> [..., K] expected tokens the j-th draft token adds,
     prod_{i<=j} a_i (non-increasing in j, since every a_i <= 1)."""
@@ -279,7 +300,8 @@ class StepCounts:
     """Per-row counts of some steps (GoodputPolicy: those between two decisions, counted at the
     second): accepted draft tokens (successes), judged draft tokens (trials: successes, plus one
     if a token was rejected), steps with a trial, steps asked to draft, steps in which the drafter
-    proposed when asked, and steps not asked to draft."""
+    proposed when asked, and steps not asked to draft; pooled over rows, by draft length, the
+    row-steps judged to the end and the tokens they emitted (rate_matching_tokens)."""
 
     def __init__(self, num_rows: int):
         self.successes = np.zeros(num_rows)  # [B]
@@ -288,6 +310,8 @@ class StepCounts:
         self.asked_steps = np.zeros(num_rows, dtype=np.int64)  # [B]
         self.proposed_steps = np.zeros(num_rows, dtype=np.int64)  # [B]
         self.idle_steps = np.zeros(num_rows, dtype=np.int64)  # [B] steps the row took part in without being asked
+        self.length_steps = np.zeros(1)  # [S] row-steps, pooled over rows, that drafted s tokens and were not cut short
+        self.length_tokens = np.zeros(1)  # [S] the tokens those row-steps emitted
         self.steps = 0
 
     def add(self, record: StepRecord, asked: np.ndarray) -> None:
@@ -313,4 +337,11 @@ class StepCounts:
         self.asked_steps += was_asked.sum(axis=0)
         self.proposed_steps += (was_asked & (drafted > 0)).sum(axis=0)
         self.idle_steps += (taking_part & ~was_asked).sum(axis=0)
+        whole = taking_part & (drafted > 0) & (emitted == accepted + 1)  # [n, B] judged to the end
+        if whole.any():
+            size = max(len(self.length_steps), int(drafted[whole].max()) + 1)
+            self.length_steps = np.pad(self.length_steps, (0, size - len(self.length_steps))) + \
+                np.bincount(drafted[whole], minlength=size)
+            self.length_tokens = np.pad(self.length_tokens, (0, size - len(self.length_tokens))) + \
+                np.bincount(drafted[whole], weights=emitted[whole].astype(np.float64), minlength=size)
         self.steps += len(records)

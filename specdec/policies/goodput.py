@@ -45,9 +45,9 @@ Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); w
 every row decodes plainly this step. Acceptance is estimated online (EMA 0.85/0.15 or a window
 of 100 steps, cold start at ``prior``); a row that does not draft drifts back towards the prior
 (``revisit``), so a run of rejections does not switch it off for good. Across generate() calls
-the policy learns its cold start (``learn_prior``): a call's rows start at the acceptance pooled
-over the earlier calls' judged draft tokens (an empirical-Bayes prior, the given ``prior`` worth
-PRIOR_TRIALS of them, each call's counts halved at the next), so a run of batch-1 calls does not
+the policy learns its cold start (``learn_prior``): a call's rows start at the acceptance whose
+expected tokens per step match what the earlier calls' row-steps emitted (LearnedPrior, the
+given ``prior`` worth PRIOR_ROW_STEPS row-steps, each call's counts halved at the next), so a run of batch-1 calls does not
 re-learn the workload's acceptance from the given prior in every request. The step-time model is
 corrected online by measured wall times (StepTimeCalibration: medians of recent steps), per
 bucket of active rows: the fitted model can under-predict what drafting costs at a large batch,
@@ -81,13 +81,15 @@ import numpy as np
 
 from ..stats import StepRecord
 from ..types import Plan
-from .acceptance import AcceptanceEstimator, StepCounts, marginal_gains
+from .acceptance import AcceptanceEstimator, StepCounts, expected_emitted, marginal_gains, rate_matching_tokens
 from .base import Policy
 from .cost_model import CostModel
 
 SEARCHES = ("exact", "greedy", "uniform", "finish")
 CATCH_UP_STEPS = 2  # a drafting step after more idle steps than this is not calibrated on (drafter catch-up)
-PRIOR_TRIALS = 16.0  # learn_prior: what the given prior weighs, in judged draft tokens
+PRIOR_TRIALS = 16.0  # "finish": what the given (or learnt) prior weighs in the batch's pooled rate, in judged draft tokens
+PRIOR_ROW_STEPS = 4.0  # learn_prior: what the given prior weighs, in row-steps drafting PRIOR_LENGTH tokens
+PRIOR_LENGTH = 4
 PRIOR_DECAY = 0.5  # learn_prior: what an earlier call's counts keep at each new call
 CATCH_UP_HORIZON = 16  # steps a returning row's measured catch-up is spread over (fewer if fewer are left)
 # "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens: as much
@@ -99,32 +101,49 @@ FINISH_COUNT_DECAY = 0.95  # "finish": what a row's judged draft tokens keep per
 
 
 class LearnedPrior:
-    """A cold-start acceptance rate learnt over generate() calls: (w p + S) / (w + T), p the given
-    prior worth w = PRIOR_TRIALS judged tokens, S and T the accepted and judged draft tokens of the
-    earlier calls, each call's counts multiplied by PRIOR_DECAY at every new call (recent calls
-    weigh most, so a change of workload is followed within a few calls).
+    """A cold-start acceptance rate learnt over generate() calls: the rate whose i.i.d. expected
+    tokens per step match the tokens the earlier calls' row-steps emitted at the lengths they
+    drafted (rate_matching_tokens), with the given prior p as PRIOR_ROW_STEPS pseudo row-steps
+    at PRIOR_LENGTH that emitted E[tau](PRIOR_LENGTH; p). Each call's counts are multiplied by
+    PRIOR_DECAY at every new call (recent calls weigh most, so a change of workload is followed
+    within a few calls). Accepted over judged tokens, pooled, read high on rows of different
+    rates (those that accept long runs judge more tokens and weigh more): after a history of
+    held-out calls the first decision of a call drafted 7-8 tokens where 4 was best (run 10).
 
-    Invariant: the rate lies in [0, 1] and is the given prior until a draft token has been judged."""
+    Invariant: the rate lies in [0, 1] and is the given prior until a row-step has been judged."""
 
     def __init__(self, prior: float):
         self.given = float(prior)
-        self.successes = self.trials = 0.0  # of the calls so far, decayed
-        self._call_successes = self._call_trials = 0.0  # of the current call
+        self.steps = np.zeros(PRIOR_LENGTH + 1)  # [S] decayed row-steps of the calls so far, by draft length
+        self.tokens = np.zeros(PRIOR_LENGTH + 1)  # [S] the tokens they emitted
+        self._call_steps, self._call_tokens = np.zeros(1), np.zeros(1)  # of the current call
+        self._rate = self.given
 
     @property
     def rate(self) -> float:
-        return (PRIOR_TRIALS * self.given + self.successes) / (PRIOR_TRIALS + self.trials)
+        return self._rate
 
-    def add(self, successes: float, trials: float) -> None:
-        """Judged draft tokens of the current call (accepted ones and trials, StepCounts' rules)."""
-        self._call_successes += float(successes)
-        self._call_trials += float(trials)
+    def add(self, counts: StepCounts) -> None:
+        """Row-steps of the current call (StepCounts.length_steps and length_tokens)."""
+        self._call_steps = _add_padded(self._call_steps, counts.length_steps)
+        self._call_tokens = _add_padded(self._call_tokens, counts.length_tokens)
 
     def new_call(self) -> None:
-        """Fold the finished call's counts in, older calls' halved (PRIOR_DECAY)."""
-        self.successes = PRIOR_DECAY * self.successes + self._call_successes
-        self.trials = PRIOR_DECAY * self.trials + self._call_trials
-        self._call_successes = self._call_trials = 0.0
+        """Fold the finished call's counts in, older calls' multiplied by PRIOR_DECAY."""
+        self.steps = _add_padded(PRIOR_DECAY * self.steps, self._call_steps)
+        self.tokens = _add_padded(PRIOR_DECAY * self.tokens, self._call_tokens)
+        self._call_steps, self._call_tokens = np.zeros(1), np.zeros(1)
+        if self.steps.sum() > 0:
+            pseudo = np.zeros_like(self.steps)
+            pseudo[PRIOR_LENGTH] = PRIOR_ROW_STEPS
+            prior_tokens = PRIOR_ROW_STEPS * float(expected_emitted(self.given, PRIOR_LENGTH))
+            self._rate = rate_matching_tokens(self.steps + pseudo, self.tokens.sum() + prior_tokens)
+
+
+def _add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b for 1-D arrays of different lengths, the shorter padded with zeros."""
+    size = max(len(a), len(b))
+    return np.pad(a, (0, size - len(a))) + np.pad(b, (0, size - len(b)))
 
 
 @dataclass
@@ -610,7 +629,7 @@ class GoodputPolicy(Policy):
             counts = StepCounts(len(self._asked))
             counts.add_steps(records, self._asked)
             if self.learned_prior is not None:
-                self.learned_prior.add(counts.successes.sum(), counts.trials.sum())
+                self.learned_prior.add(counts)
             if self.search == "finish":
                 # older evidence fades by FINISH_COUNT_DECAY per step with a trial, and by the revisit
                 # rate per idle step (a row switched off drifts back to the batch's rate, as below)

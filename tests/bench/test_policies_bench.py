@@ -51,6 +51,11 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert all(max(t[3] for t in r["trace"]) >= 1 for r in traced if r["family"] == "bandit")  # bandits draft
     goodput = [r for r in rows if r["family"] == "goodput"]
     assert all(set(r["calibration"]) == {"base_scale", "extra_scale"} for r in goodput)
+    # the history (--quick: 4 held-out requests, 2 at batch 1) taught each learning policy before its passes
+    assert all(0.0 <= r["learnt_at_start"]["cold_start_rate"] <= 1.0 for r in goodput)
+    assert any(r["learnt_at_start"]["extra_scale"] for r in goodput)  # a calibration measured in the history
+    batch_bandits = [r for r in rows if r["variant"] in ("batch-level", "batch-finish")]
+    assert batch_bandits and all(sum(r["learnt_at_start"]["pulls"]) > 0 for r in batch_bandits)
     assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / max(r["pass_seconds"])) for r in rows)  # the slower middle
     # the mixed workload really mixes, and the bandits report what each kind of request used
     assert result["workloads"]["mixed"]["num_copy"] == result["workloads"]["mixed"]["num_continuation"] == 4
