@@ -19,6 +19,14 @@ per-token and per-KV-token terms go to the row that caused them. The batch-level
 emitted tokens over the step's draft + verify time. Rewards are normalised by the largest reward
 seen so far.
 
+Switches (request and batch scope): a bandit that plays another drafter than at its last step
+(or its first step of a call) plays it for two steps and learns from the second only. A model
+drafter switched in first reads every token it missed (the prompt, in a call's first step):
+that step cost 3-4 times an ordinary one on the H200, and with every exploratory pull such a
+step the model drafters' mean rewards read a third of their worth, so the batch-level bandit
+of run 10 and 11 settled on prompt lookup (56k against 27k tokens per second learnt at batch 64,
+where the model drafter was the faster by 1.4x).
+
 Strategies (``BanditState``, vectorised over independent bandits):
 - "ucb": UCB1 (Auer et al. 2002): untried arms first, then argmax mean + c * sqrt(ln t / n),
   t the bandit's pulls so far, n the arm's.
@@ -397,10 +405,18 @@ class BanditPolicy(Policy):
             self.step_times = StepTimeAverages(num_drafters)
         if self.scope == "joint" and batch is not self._batch:
             self.step_times.new_call()
+        if batch is not self._batch:  # a new call: every model drafter's first pass reads the prompts
+            self._previous = np.full(self.bandits.counts.shape[0], -1, dtype=np.int64)  # [N]
+            self._hold = np.zeros(self.bandits.counts.shape[0], dtype=bool)  # [N]
         self._batch = batch
         self._asked = np.minimum(self.num_draft_tokens, np.maximum(batch.remaining - 1, 0))
         self._lengths = batch.lengths.copy()
-        arms = self._choose_jointly(batch) if self.scope == "joint" else self.bandits.choose()
+        if self.scope == "joint":
+            arms = self._choose_jointly(batch)
+        else:  # a switch is played twice and only its second step rewarded (the first reads what the drafter missed)
+            arms = np.where(self._hold, self._previous, self.bandits.choose())  # [N]
+            self._switching = arms != self._previous  # [N]
+            self._hold, self._previous = self._switching, arms
         self._arms = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)
         return Plan(drafter_index=self._arms.copy(), num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens, dtype=np.int64))
 
@@ -453,15 +469,17 @@ class BanditPolicy(Policy):
         seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)  # [A]
         if self.scope == "request":
             with np.errstate(divide="ignore", invalid="ignore"):
-                self._observe_rows(rows, np.where(seconds > 0, emitted / seconds, np.nan))
-        else:
+                rewards = np.where(seconds > 0, emitted / seconds, np.nan)
+            self._observe_rows(rows, np.where(self._switching[rows], np.nan, rewards))  # NaN: not learnt from
+        elif not self._switching[0]:
             total = seconds.sum()
             tokens = emitted.sum() if self.objective == "step" else slowest_share_tokens(emitted, self._asked[rows] > 0)
             self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [tokens / total if total > 0 else np.nan])
 
     def _observe_rows(self, rows: np.ndarray, rewards: np.ndarray) -> None:
-        """Each row's bandit and the population learn the row's reward ([A], for ``rows``)."""
-        drafted = self._asked[rows] > 0  # a row capped to 0 tokens did not try its arm this step
+        """Each row's bandit and the population learn the row's reward ([A], for ``rows``; NaN:
+        nothing learnt)."""
+        drafted = (self._asked[rows] > 0) & np.isfinite(rewards)  # a row capped to 0 tokens did not try its arm this step
         self.bandits.update(rows[drafted], self._arms[rows[drafted]], rewards[drafted])
         self.population.update(np.zeros(int(drafted.sum()), dtype=np.int64), self._arms[rows[drafted]],
                                rewards[drafted])

@@ -195,12 +195,36 @@ def test_a_row_that_drafted_nothing_does_not_reward_its_arm():
                        eos_token_ids=np.zeros(0, dtype=np.int64))
     batch.lengths = np.array([7, 5])  # row 0 may emit one more token: it drafts nothing; row 1 drafts
     policy = BanditPolicy(num_draft_tokens=2, strategy="ucb", scope="request")
-    plan = policy.plan(batch, num_drafters=2)
-    record = make_record(drafted=[0, 2], emitted=[1, 3], drafter=list(plan.drafter_index),
-                         draft_s=0.2, verify_s=0.2, drafter_s=[0.1, 0.1])
-    policy.observe(record)
-    assert policy.bandits.counts[0].sum() == 0
-    assert policy.bandits.counts[1].sum() == 1
+    for learnt in (0, 1):  # a call's first step reads the prompts: a switch, not learnt from
+        plan = policy.plan(batch, num_drafters=2)
+        record = make_record(drafted=[0, 2], emitted=[1, 3], drafter=list(plan.drafter_index),
+                             draft_s=0.2, verify_s=0.2, drafter_s=[0.1, 0.1])
+        policy.observe(record)
+        assert policy.bandits.counts[0].sum() == 0
+        assert policy.bandits.counts[1].sum() == learnt
+
+
+@pytest.mark.parametrize("scope", ["request", "batch"])
+def test_a_switch_is_played_twice_and_learnt_from_its_second_step(scope):
+    """Two drafters of equal worth, except that a step right after switching to one costs 4x
+    (its catch-up on the tokens it missed). Every switch is held for a second step, every
+    reward learnt comes from a non-switching step, so both arms' mean rewards read the same
+    (4 tokens per second of row 0's attributed time), whichever arm was switched to more often."""
+    policy = BanditPolicy(num_draft_tokens=2, strategy="ucb", scope=scope, warm_start=0)
+    batch, played = endless_batch(4), []
+    for _ in range(200):
+        arms = policy.plan(batch, num_drafters=2).drafter_index
+        switched = len(played) == 0 or arms[0] != played[-1]
+        if scope == "request":
+            arms = np.full(4, arms[0])  # simulate the batch as one row's history
+        seconds = 4.0 if switched else 1.0
+        policy.observe(make_record(drafted=[2] * 4, emitted=[4] * 4, drafter=arms.tolist(), draft_s=seconds / 2,
+                                   verify_s=seconds / 2, drafter_s=[seconds / 2 if d == arms[0] else 0.0 for d in (0, 1)]))
+        played.append(int(arms[0]))
+    switches = [i for i in range(1, len(played)) if played[i] != played[i - 1]]
+    assert switches and all(played[i + 1] == played[i] for i in switches if i + 1 < len(played))  # held
+    means = policy.bandits.raw_means()[0]
+    assert means[0] == pytest.approx(means[1]) and means[0] > 0
 
 
 @pytest.mark.parametrize("scope", ["request", "joint"])
