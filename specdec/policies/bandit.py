@@ -16,8 +16,8 @@ and its host-clock time ``drafter_wall_s``: prompt lookup works on the host) is 
 rows it drafted for in proportion to the tokens they asked for. With a ``CostModel`` the times are predicted
 instead of measured (no timing noise): fixed and per-pass terms are split equally, per-row,
 per-token and per-KV-token terms go to the row that caused them. The batch-level reward is all
-emitted tokens over the step's draft + verify time. Rewards are normalised by the largest reward
-seen so far.
+emitted tokens over the step's wall time (``StepRecord.step_time_s``; without it, or with a
+cost model, the draft + verify times). Rewards are normalised by the largest reward seen so far.
 
 Switches (request and batch scope): a bandit that plays another drafter than at its last step
 (or its first step of a call) plays it for two steps and learns from the second only. A model
@@ -472,7 +472,10 @@ class BanditPolicy(Policy):
                 rewards = np.where(seconds > 0, emitted / seconds, np.nan)
             self._observe_rows(rows, np.where(self._switching[rows], np.nan, rewards))  # NaN: not learnt from
         elif not self._switching[0]:
-            total = seconds.sum()
+            # the step's wall time when measured: a model drafter's charged host time also holds its
+            # wait for the GPU, so verify + drafter charges read a model drafter's step 1.5x too long
+            measured = self.cost_model is None and record.step_time_s
+            total = float(record.step_time_s) if measured else seconds.sum()
             tokens = emitted.sum() if self.objective == "step" else slowest_share_tokens(emitted, self._asked[rows] > 0)
             self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [tokens / total if total > 0 else np.nan])
 
