@@ -291,6 +291,13 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     history = generator.standard(max(history_rows, 1), settings.workloads, offset=count + profile_rows,
                                  mixed_fraction=settings.mixed_fraction)
     all_prompts = [p for w in (*workloads.values(), *held_out.values(), *history.values()) for p in w.prompts()]
+    # the generator reuses files from the first when it runs out: a profile or history request
+    # made from a measured request's file would teach the policies the measured text
+    measured_files = {r.id for w in workloads.values() for r in w.requests}
+    reused_files = measured_files & {r.id for w in (*held_out.values(), *history.values()) for r in w.requests}
+    if reused_files:
+        log(f"warning: the zoo's held-out files ran out: {len(reused_files)} of the {len(measured_files)} files measured "
+            f"also made profile or history requests (lower --num-prompts, --profile-prompts or --history-prompts)")
     K = max(settings.max_draft_tokens, settings.bandit_length, *settings.lengths)
     max_rows = batch_sizes[0]
 
@@ -307,6 +314,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         "skipped": [],
         "timings": {},
         "timing_cpus": timing_cpus(settings),  # None: the passes ran unpinned
+        "reused_files": len(reused_files),  # measured files also used by the profile or the history (0: none)
     }
     cpus = result["timing_cpus"]
     for name, workload in workloads.items():
@@ -491,11 +499,11 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
                 if index in errors:
                     continue
                 given, kwargs = calls[index]
-                policy = copy.deepcopy(trained[index]) if index in trained else grid_methods[index].make(workload)
-                at_start = learnt_state(policy)
-                tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
                 started = time.perf_counter()
                 try:
+                    policy = copy.deepcopy(trained[index]) if index in trained else grid_methods[index].make(workload)
+                    at_start = learnt_state(policy)
+                    tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
                     warm_gpu(settings.device, settings.gpu_warmup_ms / 1e3)
                     gc.disable()
                     synchronise(settings.device)
@@ -525,6 +533,8 @@ def serve_history(target, policy: Policy, prompts: list[list[int]], batch: int, 
     """``policy`` after serving ``prompts`` in calls of ``batch`` (what it learns, it keeps)."""
     for start in range(0, len(prompts), batch):
         generate(target, prompts[start : start + batch], policy=policy, max_new_tokens=max_new_tokens, **kwargs)
+    if hasattr(policy, "end_call"):  # the last call's lesson in now, so learnt_state reads it
+        policy.end_call()
     return policy
 
 

@@ -470,13 +470,19 @@ class BanditPolicy(Policy):
         if self.scope == "request":
             with np.errstate(divide="ignore", invalid="ignore"):
                 rewards = np.where(seconds > 0, emitted / seconds, np.nan)
-            self._observe_rows(rows, np.where(self._switching[rows], np.nan, rewards))  # NaN: not learnt from
-        elif not self._switching[0]:
+            # a drafter some row switched to spent the step catching up, and its time is shared by
+            # every row it drafted for: none of them learns from this step (NaN: not learnt from)
+            arms = self._arms[rows]  # [A]
+            caught_up = np.isin(arms, arms[self._switching[rows]])  # [A]
+            self._observe_rows(rows, np.where(caught_up, np.nan, rewards))
+        elif not self._switching[0] and np.any(self._asked[rows] > 0):  # a step nobody drafted in says nothing
             # the step's wall time when measured: a model drafter's charged host time also holds its
             # wait for the GPU, so verify + drafter charges read a model drafter's step 1.5x too long
             measured = self.cost_model is None and record.step_time_s
             total = float(record.step_time_s) if measured else seconds.sum()
-            tokens = emitted.sum() if self.objective == "step" else slowest_share_tokens(emitted, self._asked[rows] > 0)
+            accepted = np.asarray(record.num_accepted, dtype=np.float64)[rows]
+            whole = (self._asked[rows] > 0) & (emitted == accepted + 1)  # [A] drafted, not cut short by EOS or budget
+            tokens = emitted.sum() if self.objective == "step" else slowest_share_tokens(emitted, whole)
             self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [tokens / total if total > 0 else np.nan])
 
     def _observe_rows(self, rows: np.ndarray, rewards: np.ndarray) -> None:

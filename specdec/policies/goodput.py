@@ -589,6 +589,16 @@ class GoodputPolicy(Policy):
         self._steps += 1
         return self._plan  # the same object until the next decision (generate() caps a copy per step)
 
+    def end_call(self) -> None:
+        """Fold the current call's last steps in now (the calibration, LearnedPrior) rather than
+        at the next call's first plan, so that ``cold_start_rate`` reads what the next call will
+        start from. Optional: plan() does the same on a new call."""
+        if self._batch is not None:
+            self._learn()
+            if self.learned_prior is not None:
+                self.learned_prior.new_call()
+            self._batch = None
+
     def _decide_interval(self, batch) -> Plan:
         """A decision: lengths for the active rows, kept (capped by each row's budget, which
         generate() applies each step) until the next one; the steps in between cost nothing."""

@@ -54,8 +54,8 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     # the history (--quick: 4 held-out requests, 2 at batch 1) taught each learning policy before its passes
     assert all(0.0 <= r["learnt_at_start"]["cold_start_rate"] <= 1.0 for r in goodput)
     given = {w: t["acceptance_rate"] for w, t in result["tau_profile"].items()}  # the prior each policy was made with
-    # (a policy that drafted nothing in its history learnt nothing: at batch 8 on CPU drafting may not pay)
-    assert any(r["learnt_at_start"]["cold_start_rate"] != pytest.approx(given[r["workload"]]) for r in goodput)
+    assert all(r["learnt_at_start"]["cold_start_rate"] != pytest.approx(given[r["workload"]]) for r in goodput)
+    assert result["reused_files"] == 0  # no profile or history request shares a file with a measured one
     batch_bandits = [r for r in rows if r["variant"] in ("batch-level", "batch-finish")]
     assert batch_bandits and all(sum(r["learnt_at_start"]["pulls"]) > 0 for r in batch_bandits)
     assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / max(r["pass_seconds"])) for r in rows)  # the slower middle

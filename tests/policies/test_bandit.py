@@ -550,3 +550,37 @@ def test_batch_scope_rewards_tokens_per_second_of_the_steps_wall_time():
 
     assert reward(1.0) == pytest.approx(12 / 1.0)  # 12 tokens over the step's second
     assert reward(None) == pytest.approx(12 / 1.4)  # verify 0.5 + the drafter's host-clock 0.9
+
+
+def test_rows_on_a_drafter_another_row_switched_to_learn_nothing_that_step(monkeypatch):
+    """Request scope: row 0 switches to the drafter row 1 has been using. That drafter's pass
+    includes row 0's catch-up, and its time is shared by both rows, so neither learns from the
+    step; the next step (row 0's switch held) teaches both."""
+    policy = BanditPolicy(num_draft_tokens=2, strategy="ucb", scope="request", warm_start=0)
+    batch = endless_batch(2)
+
+    def step(arms):
+        monkeypatch.setattr(BanditState, "choose", lambda self: np.array(arms))  # the bandits' choice, fixed for the test
+        plan = policy.plan(batch, num_drafters=2)
+        policy.observe(make_record(drafted=[2, 2], emitted=[3, 3], drafter=plan.drafter_index.tolist(), draft_s=0.2,
+                                   verify_s=0.2, drafter_s=[0.1, 0.1]))
+        return policy.bandits.counts.sum(axis=1).tolist()
+
+    assert step([0, 1]) == [0, 0]  # a call's first step: every row switched in
+    assert step([0, 1]) == [1, 1]  # the switch held: both learn
+    assert step([1, 1]) == [1, 1]  # row 0 switched to drafter 1, which row 1 uses: neither learns
+    assert step([1, 1]) == [2, 2]  # held: both learn again
+
+
+def test_batch_scope_does_not_learn_from_a_step_nobody_drafted_in():
+    """The last step of a call: every row may emit one token only, so nobody drafts, and the
+    step's tokens per second are plain decoding's, not the drafter's."""
+    policy = BanditPolicy(num_draft_tokens=2, strategy="ucb", scope="batch")
+    batch = BatchState([np.arange(5)] * 2, max_new_tokens=1, seeds=np.zeros(2, dtype=np.int64),
+                       eos_token_ids=np.zeros(0, dtype=np.int64))
+    for _ in range(2):
+        arms = policy.plan(batch, num_drafters=2).drafter_index
+        record = make_record(drafted=[0, 0], emitted=[1, 1], drafter=arms.tolist(), draft_s=0.0, verify_s=0.2)
+        record.step_time_s = 0.2
+        policy.observe(record)
+    assert policy.bandits.counts.sum() == 0

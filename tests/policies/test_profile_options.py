@@ -515,3 +515,20 @@ def test_finish_does_not_stop_drafting_on_a_first_probe_of_similar_rows(num_rows
             policy.observe(_record(asked, accepted + 1, 2e-3))
         chosen.append(int(asked.max()))  # the plan after the probe
     assert min(chosen) >= 2, chosen
+
+
+def test_end_call_folds_a_call_in_once():
+    """After a call, end_call() makes cold_start_rate read what the next call starts from (the
+    bench records it before a timed pass); the next call's first plan does not fold it again."""
+    model = CostModel.from_coefficients(1.0, 0.01, drafters=[{"tokens": 0.01}])  # drafting pays at any rate
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.3, calibrate=False)
+    first = BatchState([np.arange(10)] * 2, 50, np.arange(2), np.zeros(0, dtype=np.int64))
+    for _ in range(5):
+        asked = policy.plan(first, 1).num_draft_tokens
+        policy.observe(_record(asked, asked + 1, 1.0))  # every draft token accepted
+    assert policy.cold_start_rate == 0.3
+    policy.end_call()
+    learnt = policy.cold_start_rate
+    assert learnt > 0.5
+    policy.plan(BatchState([np.arange(10)] * 2, 50, np.arange(2), np.zeros(0, dtype=np.int64)), 1)
+    assert policy.cold_start_rate == learnt and policy.estimator.rate(0).tolist() == pytest.approx([learnt] * 2)
