@@ -288,8 +288,8 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     held_out = generator.standard(profile_rows, settings.workloads, offset=count, mixed_fraction=settings.mixed_fraction)
     # the learning policies' past: more held-out requests, after the profile's
     history_rows = max(history_size(settings, b) for b in batch_sizes)
-    history = generator.standard(max(history_rows, 1), settings.workloads, offset=count + profile_rows,
-                                 mixed_fraction=settings.mixed_fraction)
+    history = generator.standard(history_rows, settings.workloads, offset=count + profile_rows,
+                                 mixed_fraction=settings.mixed_fraction) if history_rows else {}
     all_prompts = [p for w in (*workloads.values(), *held_out.values(), *history.values()) for p in w.prompts()]
     # the generator reuses files from the first when it runs out: a profile or history request
     # made from a measured request's file would teach the policies the measured text
@@ -394,7 +394,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         size = settings.batch1_prompts if batch == 1 else max(batch, settings.num_prompts)
         prompts, kinds = workload.prompts(size), np.array([KINDS.index(k) for k in workload.kinds(size)])
         before = _runner_ids(models)
-        past = history[workload_name].prompts(history_size(settings, batch)) if settings.history_prompts > 0 else []
+        past = history[workload_name].prompts(history_size(settings, batch)) if history else []
         measured = measure_cell(target, drafters, grid_methods, workload_name, prompts, kinds, batch, settings, eos,
                                 graphs, compiled, cpus, history=past)
         rebuilt = _runner_ids(models) != before

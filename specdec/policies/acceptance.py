@@ -76,6 +76,12 @@ def rate_matching_tokens(steps_by_length, tokens_by_length, iterations: int = 60
     return 0.5 * (low + high)
 
 
+def add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b for 1-D arrays of different lengths, the shorter padded with zeros (counts by draft length)."""
+    size = max(len(a), len(b))
+    return np.pad(a, (0, size - len(a))) + np.pad(b, (0, size - len(b)))
+
+
 def marginal_gains(position_rates: np.ndarray) -> np.ndarray:
     """[..., K] conditional rates -> [..., K] expected tokens the j-th draft token adds,
     prod_{i<=j} a_i (non-increasing in j, since every a_i <= 1)."""
@@ -339,9 +345,7 @@ class StepCounts:
         self.idle_steps += (taking_part & ~was_asked).sum(axis=0)
         whole = taking_part & (drafted > 0) & (emitted == accepted + 1)  # [n, B] judged to the end
         if whole.any():
-            size = max(len(self.length_steps), int(drafted[whole].max()) + 1)
-            self.length_steps = np.pad(self.length_steps, (0, size - len(self.length_steps))) + \
-                np.bincount(drafted[whole], minlength=size)
-            self.length_tokens = np.pad(self.length_tokens, (0, size - len(self.length_tokens))) + \
-                np.bincount(drafted[whole], weights=emitted[whole].astype(np.float64), minlength=size)
+            self.length_steps = add_padded(self.length_steps, np.bincount(drafted[whole]))
+            self.length_tokens = add_padded(self.length_tokens,
+                                            np.bincount(drafted[whole], weights=emitted[whole].astype(np.float64)))
         self.steps += len(records)

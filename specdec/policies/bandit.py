@@ -241,12 +241,12 @@ def attributed_times(record: StepRecord, asked: np.ndarray, lengths: np.ndarray,
     return times
 
 
-def slowest_share_tokens(emitted: np.ndarray, drafted: np.ndarray, share: float = BATCH_FINISH_QUANTILE) -> float:
+def slowest_share_tokens(emitted: np.ndarray, counted: np.ndarray, share: float = BATCH_FINISH_QUANTILE) -> float:
     """The step's tokens as if every active row had emitted as little as its slowest ones: the
-    mean over the ceil(share x n) drafting rows that emitted least, times the active rows
-    (emitted: [A] tokens per active row; drafted: [A] whether the row drafted). NaN when no row
-    drafted (a step that says nothing about the drafter)."""
-    mine = np.sort(np.asarray(emitted, dtype=np.float64)[np.asarray(drafted, dtype=bool)])  # [n]
+    mean over the ceil(share x n) counted rows that emitted least, times the active rows
+    (emitted: [A] tokens per active row; counted: [A] whether the row drafted and was judged to
+    the end). NaN when no row counts (a step that says nothing about the drafter)."""
+    mine = np.sort(np.asarray(emitted, dtype=np.float64)[np.asarray(counted, dtype=bool)])  # [n]
     if len(mine) == 0:
         return float("nan")
     return float(mine[: max(1, math.ceil(share * len(mine)))].mean() * len(emitted))
@@ -406,17 +406,16 @@ class BanditPolicy(Policy):
         if self.scope == "joint" and batch is not self._batch:
             self.step_times.new_call()
         if batch is not self._batch:  # a new call: every model drafter's first pass reads the prompts
-            self._previous = np.full(self.bandits.counts.shape[0], -1, dtype=np.int64)  # [N]
-            self._hold = np.zeros(self.bandits.counts.shape[0], dtype=bool)  # [N]
+            self._previous = np.full(self.bandits.counts.shape[0], -1, dtype=np.int64)  # [N] the arm played last step
+            self._switching = np.zeros(self.bandits.counts.shape[0], dtype=bool)  # [N] whether that step was a switch
         self._batch = batch
         self._asked = np.minimum(self.num_draft_tokens, np.maximum(batch.remaining - 1, 0))
         self._lengths = batch.lengths.copy()
         if self.scope == "joint":
             arms = self._choose_jointly(batch)
         else:  # a switch is played twice and only its second step rewarded (the first reads what the drafter missed)
-            arms = np.where(self._hold, self._previous, self.bandits.choose())  # [N]
-            self._switching = arms != self._previous  # [N]
-            self._hold, self._previous = self._switching, arms
+            arms = np.where(self._switching, self._previous, self.bandits.choose())  # [N] a switch is held
+            self._switching, self._previous = arms != self._previous, arms
         self._arms = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)
         return Plan(drafter_index=self._arms.copy(), num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens, dtype=np.int64))
 
@@ -510,6 +509,6 @@ class BanditPolicy(Policy):
         self.step_times.update(base_s, drafter_s, drafted)
 
     def __repr__(self) -> str:
-        joint = f", objective={self.objective!r}" if self.scope != "request" else ""
+        objective = f", objective={self.objective!r}" if self.scope != "request" else ""
         return (f"BanditPolicy(num_draft_tokens={self.num_draft_tokens}, strategy={self.strategy!r}, scope={self.scope!r}"
-                f"{joint}, confidence={self._options['confidence']!r})")
+                f"{objective}, confidence={self._options['confidence']!r})")

@@ -81,7 +81,7 @@ import numpy as np
 
 from ..stats import StepRecord
 from ..types import Plan
-from .acceptance import AcceptanceEstimator, StepCounts, expected_emitted, marginal_gains, rate_matching_tokens
+from .acceptance import AcceptanceEstimator, StepCounts, add_padded, expected_emitted, marginal_gains, rate_matching_tokens
 from .base import Policy
 from .cost_model import CostModel
 
@@ -125,25 +125,19 @@ class LearnedPrior:
 
     def add(self, counts: StepCounts) -> None:
         """Row-steps of the current call (StepCounts.length_steps and length_tokens)."""
-        self._call_steps = _add_padded(self._call_steps, counts.length_steps)
-        self._call_tokens = _add_padded(self._call_tokens, counts.length_tokens)
+        self._call_steps = add_padded(self._call_steps, counts.length_steps)
+        self._call_tokens = add_padded(self._call_tokens, counts.length_tokens)
 
     def new_call(self) -> None:
         """Fold the finished call's counts in, older calls' multiplied by PRIOR_DECAY."""
-        self.steps = _add_padded(PRIOR_DECAY * self.steps, self._call_steps)
-        self.tokens = _add_padded(PRIOR_DECAY * self.tokens, self._call_tokens)
+        self.steps = add_padded(PRIOR_DECAY * self.steps, self._call_steps)
+        self.tokens = add_padded(PRIOR_DECAY * self.tokens, self._call_tokens)
         self._call_steps, self._call_tokens = np.zeros(1), np.zeros(1)
         if self.steps.sum() > 0:
             pseudo = np.zeros_like(self.steps)
             pseudo[PRIOR_LENGTH] = PRIOR_ROW_STEPS
             prior_tokens = PRIOR_ROW_STEPS * float(expected_emitted(self.given, PRIOR_LENGTH))
             self._rate = rate_matching_tokens(self.steps + pseudo, self.tokens.sum() + prior_tokens)
-
-
-def _add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a + b for 1-D arrays of different lengths, the shorter padded with zeros."""
-    size = max(len(a), len(b))
-    return np.pad(a, (0, size - len(a))) + np.pad(b, (0, size - len(b)))
 
 
 @dataclass
@@ -566,10 +560,7 @@ class GoodputPolicy(Policy):
         if batch is not self._batch:
             if self.drafter_index >= num_drafters:
                 raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
-            if self._batch is not None:
-                self._learn()  # the last call's last steps: the calibration is kept across calls
-                if self.learned_prior is not None:
-                    self.learned_prior.new_call()
+            self.end_call()  # the last call's last steps, unless already folded in: the calibration is kept across calls
             self._batch, self._steps, self._next_decision = batch, 0, 0
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
             # the step each row last drafted: a model drafter's step also feeds it every token it
