@@ -543,6 +543,8 @@ def learnt_state(policy: Policy) -> dict:
     and calibration; a batch-scope bandit's pulls and mean rewards per drafter; {} otherwise."""
     if isinstance(policy, GoodputPolicy):
         state = {"cold_start_rate": policy.cold_start_rate}
+        if policy.search == "finish":
+            state["finish_prior_trials"] = policy.finish_prior_trials
         if policy.calibration is not None:
             state["base_scale"] = {str(b): v for b, v in sorted(policy.calibration.base_scale.items())}
             state["extra_scale"] = {str(b): v for b, v in sorted(policy.calibration.extra_scale.items())}

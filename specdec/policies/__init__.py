@@ -13,11 +13,13 @@ from .batch_adaptive import (
     build_table,
     measure_round_times,
     profile_expected_tokens,
+    monotone_table,
     table_from_throughput,
 )
 from .cost_model import CostModel, LinearTimeModel, ProfileGrid, profile
 from .fixed import FixedPolicy
 from .goodput import GoodputPolicy
+from .simulate import SimulatedCall, simulate_call
 
 __all__ = [
     "AcceptanceEstimator",
@@ -30,12 +32,15 @@ __all__ = [
     "LinearTimeModel",
     "Policy",
     "ProfileGrid",
+    "SimulatedCall",
     "build_table",
     "expected_emitted",
     "expected_emitted_table",
     "profile",
     "profile_expected_tokens",
     "measure_round_times",
+    "monotone_table",
     "rate_from_expected_tokens",
+    "simulate_call",
     "table_from_throughput",
 ]

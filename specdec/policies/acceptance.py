@@ -23,6 +23,7 @@ conditional rates a_0, a_1, ..., E[tau](k) = 1 + sum_{j<k} prod_{i<=j} a_i.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -349,3 +350,58 @@ class StepCounts:
             self.length_tokens = add_padded(self.length_tokens,
                                             np.bincount(drafted[whole], weights=emitted[whole].astype(np.float64)))
         self.steps += len(records)
+
+
+class RowRateSpread:
+    """How much requests' acceptance rates differ, learnt from the rows of earlier generate()
+    calls (empirical Bayes, method of moments): each finished row that judged at least
+    MIN_ROW_TRIALS draft tokens adds its rate r = accepted / judged and its trials t; over the
+    last ``capacity`` such rows, the between-row variance is the variance of the r's less their
+    mean sampling variance r (1 - r) / t. As a Beta prior of that variance around mean m, a
+    row's rate is worth w = m (1 - m) / v - 1 judged tokens of the batch's rate
+    (``prior_strength``): the shrinkage a row's own evidence must outweigh.
+
+    Invariant: prior_strength is None until MIN_ROWS rows are held, and lies in
+    [MIN_STRENGTH, MAX_STRENGTH] after."""
+
+    MIN_ROW_TRIALS = 8
+    MIN_ROWS = 8
+    MIN_STRENGTH, MAX_STRENGTH = 2.0, 1000.0
+
+    def __init__(self, capacity: int = 256):
+        if capacity < self.MIN_ROWS:
+            raise ValueError(f"capacity must be at least {self.MIN_ROWS} rows, got {capacity!r}")
+        self._rates: deque[float] = deque(maxlen=capacity)
+        self._trials: deque[float] = deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self._rates)
+
+    def add_rows(self, successes: np.ndarray, trials: np.ndarray) -> None:
+        """One call's rows: [B] accepted and judged draft tokens of each (rows that judged fewer
+        than MIN_ROW_TRIALS are left out: their rate is mostly noise)."""
+        successes, trials = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
+        for s, t in zip(successes, trials):
+            if t >= self.MIN_ROW_TRIALS:
+                self._rates.append(float(s / t))
+                self._trials.append(float(t))
+
+    def between_row_variance(self) -> float:
+        """The variance of the rows' true rates (observed variance less sampling variance; >= 0);
+        NaN until MIN_ROWS rows are held."""
+        if len(self._rates) < self.MIN_ROWS:
+            return float("nan")
+        rates, trials = np.array(self._rates), np.array(self._trials)  # [R]
+        sampling = float(np.mean(rates * (1.0 - rates) / trials))
+        return max(float(np.var(rates, ddof=1)) - sampling, 0.0)
+
+    def prior_strength(self) -> float | None:
+        """w = m (1 - m) / v - 1 (clipped), the Beta prior's weight in judged tokens; None until
+        MIN_ROWS rows are held."""
+        variance = self.between_row_variance()
+        if not variance == variance:  # NaN
+            return None
+        mean = float(np.mean(self._rates))
+        if variance <= 0:
+            return self.MAX_STRENGTH
+        return float(np.clip(mean * (1.0 - mean) / variance - 1.0, self.MIN_STRENGTH, self.MAX_STRENGTH))

@@ -91,6 +91,37 @@ def table_from_throughput(tokens_per_s: Mapping[tuple[int, int], float]) -> dict
     return {b: s for b, (_, s) in table.items()}
 
 
+def monotone_table(tokens_per_s: Mapping[tuple[int, int], float]) -> dict[int, int]:
+    """{b: s(b)} with lengths that never grow with the batch size (the synergy paper's finding:
+    the larger the batch, the shorter the best draft), the choice of highest total over batch
+    sizes of each one's measured throughput relative to its best, sum_b tps(b, s(b)) / max_s
+    tps(b, s) (dynamic programming over the batch sizes, ascending; ties: the shorter draft).
+    Where the measured argmax already shortens as b grows it is the argmax; one odd measurement
+    (run 10, continuation: plain decoding best at batch 16, between k = 4 at 4 and at 64) gives
+    way where keeping it would cost its neighbours more than it gains. A pair (b, s) not
+    measured is not chosen."""
+    best_of: dict[int, float] = {}
+    for (b, s), value in tokens_per_s.items():
+        if int(b) < 1 or int(s) < 0 or not value > 0:
+            raise ValueError(f"need batch sizes >= 1, lengths >= 0 and positive throughputs, got {(b, s)}: {value}")
+        best_of[int(b)] = max(best_of.get(int(b), 0.0), float(value))
+    sizes = sorted(best_of)
+    lengths = sorted({int(s) for _, s in tokens_per_s})
+    score = np.full((len(sizes), len(lengths)), -np.inf)  # [N, S] relative throughput, -inf where not measured
+    for (b, s), value in tokens_per_s.items():
+        score[sizes.index(int(b)), lengths.index(int(s))] = float(value) / best_of[int(b)]
+    # total[j, s]: the best sum over sizes 0..j with size j at length s and the earlier ones at lengths >= s
+    total = score.copy()
+    for j in range(1, len(sizes)):
+        longer_or_equal = np.maximum.accumulate(total[j - 1][::-1])[::-1]  # [S] max over s' >= s
+        total[j] = score[j] + longer_or_equal
+    chosen = [int(np.argmax(total[-1]))]  # first maximum: the shorter draft
+    for j in range(len(sizes) - 2, -1, -1):
+        allowed = np.where(np.arange(len(lengths)) >= chosen[-1], total[j], -np.inf)
+        chosen.append(int(np.argmax(allowed)))
+    return {b: lengths[s] for b, s in zip(sizes, reversed(chosen))}
+
+
 def switch_points(sizes: Sequence[int]) -> list[float]:
     """Between neighbouring tabulated batch sizes b < b' (sorted), the nearest on a log scale
     switches at their geometric mean."""
@@ -228,14 +259,16 @@ class BatchAdaptivePolicy(Policy):
     def from_measurements(cls, target, drafter, prompts, batch_sizes: Sequence[int] = (1, 4, 16, 64),
                           draft_lengths: Sequence[int] = (0, 1, 2, 3, 4, 6, 8), max_new_tokens: int = 32,
                           drafter_index: int = 0, repeats: int = 1, objective: str = "calls",
-                          **generate_options) -> BatchAdaptivePolicy:
+                          monotone: bool = True, **generate_options) -> BatchAdaptivePolicy:
         """The table from a measured profile (``measure_round_times``, ``repeats`` rounds per
         length) rather than a fitted cost model: what the paper's short profile before serving
         does. By default (``objective="calls"``) each batch size gets the length of highest
         measured tokens per second of whole calls (table_from_throughput), which counts a static
         batch's slowest rows; ``objective="steps"`` takes b * l(s) / T(b, s) from the measured tau
         and seconds per step instead (build_table: the per-step throughput of a batch kept full,
-        as under continuous batching). Lookups between the measured batch sizes take the nearest
+        as under continuous batching). ``monotone`` (calls only): lengths that never grow with the
+        batch size, the best such choice by relative throughput (monotone_table), so one odd
+        measurement at a batch size does not stand against its neighbours'. Lookups between the measured batch sizes take the nearest
         one on a log scale, as always (so the tail of a 64-row call, once fewer rows are active,
         uses entries measured on whole calls of fewer rows)."""
         if objective not in ("calls", "steps"):
@@ -243,11 +276,11 @@ class BatchAdaptivePolicy(Policy):
         expected, seconds, tokens_per_s = measure_round_times(target, drafter, prompts, batch_sizes, draft_lengths,
                                                               max_new_tokens, repeats=repeats, **generate_options)
         if objective == "calls":
-            table = table_from_throughput(tokens_per_s)
+            table = monotone_table(tokens_per_s) if monotone else table_from_throughput(tokens_per_s)
         else:
             table = build_table(batch_sizes, expected, lambda b, s: seconds[(int(b), int(s))])
         policy = cls(table, drafter_index)
-        policy.profile = {"objective": objective, "expected_tokens": expected,
+        policy.profile = {"objective": objective, "monotone": monotone and objective == "calls", "expected_tokens": expected,
                           "seconds_per_step": {f"{b},{s}": t for (b, s), t in seconds.items()},
                           "tokens_per_s": {f"{b},{s}": v for (b, s), v in tokens_per_s.items()}}
         return policy

@@ -36,10 +36,17 @@ Searches:
   each stretch between two rows' finishing points costs the step time of the rows still
   active). generate() runs static batches, which last until their slowest row is done: at
   batch 64 fixed k = 4 and 6 took the same 53 steps (run 5), so the longer draft only made
-  steps dearer, which per-step goodput does not see. The lowest row's rate decides it, so it
-  reads each row's rate from its decayed counts shrunk towards the batch's (shrunk_rates): the
-  lowest of 64 noisy per-step averages passed for a straggler (run 7, k = 2 for 32 steps where
-  k = 4 was 7% faster).
+  steps dearer, which per-step goodput does not see. The lowest rows' rates decide it, so it
+  reads each row's rate as a Beta posterior: its decayed counts and a prior around the batch's
+  rate (shrunk_rates: the lowest of 64 noisy per-step averages passed for a straggler, run 7,
+  k = 2 for 32 steps where k = 4 was 7% faster), the prior's weight learnt from how much the
+  earlier calls' rows differed (RowRateSpread), and it times the call over stratified samples of
+  those posteriors (posterior_rate_samples). Rows not yet measured are thus a spread of rates,
+  not one: at a call's start every row read the batch's mean rate, and "finish" drafted 7-8
+  tokens for its first 16 steps where 3-4 was best (run 11).
+
+A call's second decision comes FIRST_INTERVAL steps after its first (which knows nothing of the
+call's rows), then every ``decide_every``.
 
 Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
 every row decodes plainly this step. Acceptance is estimated online (EMA 0.85/0.15 or a window
@@ -78,10 +85,19 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.special
 
 from ..stats import StepRecord
 from ..types import Plan
-from .acceptance import AcceptanceEstimator, StepCounts, add_padded, expected_emitted, marginal_gains, rate_matching_tokens
+from .acceptance import (
+    AcceptanceEstimator,
+    RowRateSpread,
+    StepCounts,
+    add_padded,
+    expected_emitted,
+    marginal_gains,
+    rate_matching_tokens,
+)
 from .base import Policy
 from .cost_model import CostModel
 
@@ -92,12 +108,19 @@ PRIOR_ROW_STEPS = 4.0  # learn_prior: what the given prior weighs, in row-steps 
 PRIOR_LENGTH = 4
 PRIOR_DECAY = 0.5  # learn_prior: what an earlier call's counts keep at each new call
 CATCH_UP_HORIZON = 16  # steps a returning row's measured catch-up is spread over (fewer if fewer are left)
-# "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens: as much
-# as a row's first four steps at k = 4. At 4, a first probe's 16 judged tokens per row left the
-# lowest of 54 rows reading a straggler, and "finish" chose k = 0 for 16 steps where k = 4 was
-# best (run 9, continuation b16 and b64; tests/policies/test_profile_options.py)
-FINISH_SHRINK_TRIALS = 16.0
+# "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens, until
+# the spread of rows' rates is learnt (RowRateSpread): a Beta prior of sd 0.08 at rate 0.72. At 4,
+# a first probe's 16 judged tokens per row left the lowest of 54 rows reading a straggler, and
+# "finish" chose k = 0 for 16 steps where k = 4 was best (run 9, continuation b16 and b64); at 16,
+# the rows' posterior samples spread wider than such rows do and k = 0 came back in 9 of 20
+# batches of 54 (tests/policies/test_profile_options.py)
+FINISH_SHRINK_TRIALS = 32.0
 FINISH_COUNT_DECAY = 0.95  # "finish": what a row's judged draft tokens keep per drafting step (a memory of about 20)
+# "finish": samples of the batch's rates, each row at stratified quantiles of its posterior: rows
+# whose rates are not yet known are not one rate (at the start of a call they are the spread of
+# earlier calls' rows), and a batch's slowest rows set its length (posterior_rate_samples)
+FINISH_RATE_SAMPLES = 8
+FIRST_INTERVAL = 4  # steps before a call's second decision (its first knows nothing of the call's rows)
 
 
 class LearnedPrior:
@@ -191,8 +214,8 @@ class LinearStepTime:
 
 
 def _cumulative_gains(gains: np.ndarray) -> np.ndarray:
-    """[A, K] gains -> [A, K+1] the expected tokens each length 0..K adds beyond the one emitted."""
-    return np.concatenate([np.zeros((len(gains), 1)), np.cumsum(gains, axis=1)], axis=1)
+    """[..., A, K] gains -> [..., A, K+1] the expected tokens each length 0..K adds beyond the one emitted."""
+    return np.concatenate([np.zeros(gains.shape[:-1] + (1,)), np.cumsum(gains, axis=-1)], axis=-1)
 
 
 def _uniform_lengths(caps: np.ndarray, max_k: int) -> np.ndarray:
@@ -300,34 +323,41 @@ def search_uniform(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
 
 
 def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, remaining: np.ndarray) -> np.ndarray:
-    """[K + 1] predicted seconds until every active row is done, for each uniform length
-    0..K (capped per row by ``caps``) kept from now on: row i needs remaining_i / E[tau_i](k_i)
-    more steps; between two rows' finishing points the step costs the step time of the rows
-    still active (their plain steps, ``row_base``, and their drafting). A static batch lasts
-    until its slowest row is done, which per-step goodput does not see.
+    """[..., K + 1] predicted seconds until every active row is done, for each uniform length
+    0..K (capped per row by ``caps``) kept from now on, for each batch of gains [..., A, K] (a
+    leading axis: samples of the rows' rates): row i needs remaining_i / E[tau_i](k_i) more
+    steps; between two rows' finishing points the step costs the step time of the rows still
+    active (their plain steps, ``row_base``, and their drafting). A static batch lasts until its
+    slowest row is done, which per-step goodput does not see.
 
     A prediction, not a simulation: the rows' contexts and caps stay as they are now, the
     calibration of the current number of active rows applies to every stretch, and each row's
     expected number of steps stands for its random one (the slowest row's expected steps, not
     the expected slowest: stragglers are if anything under-counted)."""
-    num_rows, max_k = gains.shape
+    gains = np.asarray(gains, dtype=np.float64)
+    num_rows, max_k = gains.shape[-2:]
     k = _uniform_lengths(caps, max_k)  # [K+1, A]
-    steps = np.asarray(remaining, dtype=np.float64)[None, :] / (1.0 + _cumulative_gains(gains)[np.arange(num_rows)[None, :], k])  # [K+1, A]
-    order = np.argsort(steps, axis=1, kind="stable")  # [K+1, A] rows by finishing point
-    ordered_steps = np.take_along_axis(steps, order, axis=1)
-    segment = np.diff(ordered_steps, axis=1, prepend=0.0)  # [K+1, A] steps while rows order[j:] are active
+    cumulative = np.swapaxes(_cumulative_gains(gains), -1, -2)  # [..., K+1 (length), A]
+    lead = gains.shape[:-2]
+    emitted = 1.0 + np.take_along_axis(cumulative, np.broadcast_to(k, lead + k.shape), axis=-2)  # [..., K+1, A]
+    steps = np.asarray(remaining, dtype=np.float64) / emitted  # [..., K+1, A]
+    order = np.argsort(steps, axis=-1, kind="stable")  # [..., K+1, A] rows by finishing point
+    ordered_steps = np.take_along_axis(steps, order, axis=-1)
+    segment = np.diff(ordered_steps, axis=-1, prepend=0.0)  # [..., K+1, A] steps while rows order[j:] are active
 
-    def suffix_sum(per_row):  # [K+1, A] per row -> [K+1, A] summed over rows order[j:]
-        return np.flip(np.cumsum(np.flip(np.take_along_axis(per_row, order, axis=1), axis=1), axis=1), axis=1)
+    def suffix_sum(per_row):  # [K+1, A] per row -> [..., K+1, A] summed over rows order[j:]
+        ordered = np.take_along_axis(np.broadcast_to(per_row, order.shape), order, axis=-1)
+        return np.flip(np.cumsum(np.flip(ordered, axis=-1), axis=-1), axis=-1)
 
     row_base = np.zeros(num_rows) if step_time.row_base is None else np.asarray(step_time.row_base, dtype=np.float64)
     fixed_base = step_time.base - row_base.sum()
     row_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))
     token_cost = np.broadcast_to(np.asarray(step_time.token_cost, dtype=np.float64), (num_rows,))
     per_row = row_base[None, :] + row_cost[None, :] * (k > 0) + token_cost[None, :] * k  # [K+1, A]
-    depth = np.flip(np.maximum.accumulate(np.flip(np.take_along_axis(k, order, axis=1), axis=1), axis=1), axis=1)  # [K+1, A]
+    ordered_k = np.take_along_axis(np.broadcast_to(k, order.shape), order, axis=-1)
+    depth = np.flip(np.maximum.accumulate(np.flip(ordered_k, axis=-1), axis=-1), axis=-1)  # [..., K+1, A]
     seconds = fixed_base + suffix_sum(per_row) + (depth > 0) * (step_time.draft_fixed + step_time.depth_cost * depth)
-    return (segment * seconds).sum(axis=1)
+    return (segment * seconds).sum(axis=-1)
 
 
 SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": search_uniform}
@@ -338,7 +368,8 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
                    remaining: np.ndarray | None = None, switch_cost_s: float = 0.0,
                    switch_steps: int = 1) -> tuple[np.ndarray, float, float]:
     """Draft lengths [A] by ``search``, or all zeros unless they beat plain decoding by
-    ``min_gain``; also returns the predicted goodput of the choice and of plain decoding (per
+    ``min_gain`` (gains [A, K]; "finish" also takes samples [J, A, K] of them, and times
+    the expected call over the samples); also returns the predicted goodput of the choice and of plain decoding (per
     step; for "finish", tokens per second until every row is done).
     start: [A] the exact search's starting choice (search_exact); remaining: [A] the rows'
     remaining token budgets ("finish" only); switch_cost_s: seconds any drafting at all costs
@@ -346,16 +377,19 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
     steps by the per-step searches (a fixed drafting cost of switch_cost_s / switch_steps per
     step) and added once to the call time of every drafting length by "finish"."""
     gains = np.asarray(gains, dtype=np.float64)
-    caps = np.minimum(np.asarray(caps, dtype=np.int64), gains.shape[1])
+    caps = np.minimum(np.asarray(caps, dtype=np.int64), gains.shape[-1])
     zeros = np.zeros(len(caps), dtype=np.int64)
     if switch_cost_s < 0 or switch_steps < 1:
         raise ValueError(f"need switch_cost_s >= 0 and switch_steps >= 1, got {switch_cost_s!r} and {switch_steps!r}")
+    if gains.ndim != 2 and search != "finish":
+        raise ValueError(f"search={search!r} takes gains [A, K]; samples of them [J, A, K] are for 'finish' only")
     if search == "finish":
         if remaining is None or len(remaining) != len(caps):
             raise ValueError("search='finish' needs every active row's remaining budget (remaining=[A])")
         if len(caps) == 0:
             return zeros, float("nan"), float("nan")
-        times = call_times(gains, caps, step_time, remaining)
+        times = call_times(gains, caps, step_time, remaining)  # [..., K+1]
+        times = times.reshape(-1, times.shape[-1]).mean(axis=0)  # [K+1] the expectation over samples of the rates
         times[1:] += switch_cost_s
         if not times[0] > 0:
             return zeros, float("nan"), float("nan")  # no budget left in any row: nothing to time
@@ -388,6 +422,27 @@ def shrunk_rates(successes: np.ndarray, trials: np.ndarray, prior_rate: float,
     successes, trials = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
     pooled = (successes.sum() + PRIOR_TRIALS * prior_rate) / (trials.sum() + PRIOR_TRIALS)
     return (successes + prior_trials * pooled) / (trials + prior_trials)
+
+
+def posterior_rate_samples(successes: np.ndarray, trials: np.ndarray, prior_rate: float,
+                           prior_trials: float = FINISH_SHRINK_TRIALS, samples: int = FINISH_RATE_SAMPLES) -> np.ndarray:
+    """[J, B] samples of the rows' acceptance rates, J = ``samples``: row i's rate is Beta with
+    mean shrunk_rates' (S_i + w p) / (T_i + w) and variance m (1 - m) / (T_i + w + 1) (a Beta(w p,
+    w (1 - p)) prior around the batch's pooled rate p, w = ``prior_trials``, updated by the row's
+    counts), at the stratified levels u_l = (l + 0.5) / J, row i at level (i + j) mod J in sample
+    j: each sample is a whole batch, and rows of one posterior (every row, at a call's start) are
+    spread over its quantiles rather than all read at its mean. Quantiles by the normal
+    approximation, clipped to [0.005, 0.995] (a decision at batch 64 takes 512 of them).
+
+    Invariant: the samples lie in [0, 1]; their mean over j is each row's posterior mean up to
+    the clip and the approximation's symmetry."""
+    successes, trials = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
+    mean = shrunk_rates(successes, trials, prior_rate, prior_trials)  # [B]
+    spread = np.sqrt(mean * (1.0 - mean) / (trials + prior_trials + 1.0))  # [B]
+    levels = scipy.special.ndtri((np.arange(samples) + 0.5) / samples)  # [J] standard normal quantiles
+    rows = np.arange(len(mean))
+    level = levels[(rows[None, :] + np.arange(samples)[:, None]) % samples]  # [J, B]
+    return np.clip(mean[None, :] + spread[None, :] * level, 0.005, 0.995)
 
 
 def row_bucket(num_rows: int) -> int:
@@ -534,6 +589,9 @@ class GoodputPolicy(Policy):
             raise ValueError(f"prior must be one acceptance rate in [0, 1], got {prior!r}")
         self._estimator_options = {"mode": estimator, "window": window, "positions": per_position}
         self.learned_prior = LearnedPrior(prior) if learn_prior else None
+        # "finish": how much rows' rates differ, learnt from earlier calls' rows (the prior strength
+        # of each row's posterior; FINISH_SHRINK_TRIALS until enough rows are known)
+        self.row_spread = RowRateSpread() if learn_prior and search == "finish" else None
         self._given_prior = float(prior)
         # the EMA of pooled rates learns from each interval's counts at once (StepCounts); the
         # other estimators replay the interval's steps one by one
@@ -569,6 +627,8 @@ class GoodputPolicy(Policy):
             # "finish": each row's judged draft tokens, accepted and all, decayed by FINISH_COUNT_DECAY per step
             self._row_successes = np.zeros(batch.num_rows)  # [B]
             self._row_trials = np.zeros(batch.num_rows)  # [B]
+            self._call_successes = np.zeros(batch.num_rows)  # [B] the call's counts, undecayed (RowRateSpread)
+            self._call_trials = np.zeros(batch.num_rows)  # [B]
             self._bucket = row_bucket(batch.num_rows)  # the active rows' bucket at the last decision
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens,
                                                  prior=self.cold_start_rate, **self._estimator_options)
@@ -588,6 +648,8 @@ class GoodputPolicy(Policy):
             self._learn()
             if self.learned_prior is not None:
                 self.learned_prior.new_call()
+            if self.row_spread is not None:
+                self.row_spread.add_rows(self._call_successes, self._call_trials)
             self._batch = None
 
     def _decide_interval(self, batch) -> Plan:
@@ -608,7 +670,7 @@ class GoodputPolicy(Policy):
         # drafting where the calibration holds too few measurements (a new bucket, or a re-probe
         # after reprobe_after idle steps): decide again as soon as they exist, not decide_every
         # steps later, so a probe of speculation that does not pay stays short
-        interval = self.decide_every
+        interval = self.decide_every if self._steps > 0 else min(self.decide_every, FIRST_INTERVAL)
         if asked.any() and self.calibration is not None and not self.calibration.measured(len(active)):
             interval = min(interval, StepTimeCalibration.MIN_SAMPLES + int(self._catching_up))
         self._next_decision = self._steps + interval
@@ -637,6 +699,8 @@ class GoodputPolicy(Policy):
                 keep = FINISH_COUNT_DECAY ** counts.trial_steps * (1.0 - self.revisit) ** counts.idle_steps  # [B]
                 self._row_successes = keep * self._row_successes + counts.successes
                 self._row_trials = keep * self._row_trials + counts.trials
+                self._call_successes += counts.successes
+                self._call_trials += counts.trials
         if self._pooled:
             self.estimator.update_counts(counts, self.drafter_index)
             if self.revisit > 0:
@@ -680,12 +744,21 @@ class GoodputPolicy(Policy):
         wall = record.drafter_wall_s
         return bool(wall.sum() > 0) if wall is not None else bool(record.num_drafted.any())
 
+    @property
+    def finish_prior_trials(self) -> float:
+        """"finish": what the batch's rate weighs in each row's, in judged draft tokens: learnt
+        from earlier calls' rows (RowRateSpread.prior_strength) once enough are known, else
+        FINISH_SHRINK_TRIALS."""
+        learnt = self.row_spread.prior_strength() if self.row_spread is not None else None
+        return FINISH_SHRINK_TRIALS if learnt is None else learnt
+
     def _row_rates(self, active: np.ndarray) -> np.ndarray:
         """[A] the i.i.d. acceptance rate of each active row: the estimator's, or for "finish"
-        (which the lowest row's rate decides) shrunk_rates of the row's decayed counts."""
+        (which the lowest rows' rates decide) the mean of its posterior, shrunk_rates of the row's
+        decayed counts."""
         if self.search != "finish":
             return self.estimator.rate(self.drafter_index)[active]
-        return shrunk_rates(self._row_successes, self._row_trials, self.cold_start_rate)[active]
+        return shrunk_rates(self._row_successes, self._row_trials, self.cold_start_rate, self.finish_prior_trials)[active]
 
     def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None,
                 remaining: np.ndarray) -> np.ndarray:
@@ -696,11 +769,16 @@ class GoodputPolicy(Policy):
         lengths = np.zeros(len(caps), dtype=np.int64)
         if len(active) == 0:
             return lengths
+        coverage = self.estimator.coverage(self.drafter_index)[active]  # [A]
         if self.per_position:
             rates = self.estimator.position_rates(self.drafter_index)[active]  # [A, K]
+        elif self.search == "finish":  # samples of the batch: [J, A]
+            rates = posterior_rate_samples(self._row_successes, self._row_trials, self.cold_start_rate,
+                                           self.finish_prior_trials, FINISH_RATE_SAMPLES)[:, active]
+            rates = np.repeat(rates[..., None], self.max_draft_tokens, axis=-1)  # [J, A, K]
         else:
             rates = np.repeat(self._row_rates(active)[:, None], self.max_draft_tokens, axis=1)
-        gains = marginal_gains(rates) * self.estimator.coverage(self.drafter_index)[active][:, None]  # [A, K]
+        gains = marginal_gains(rates) * coverage[:, None]  # [A, K] or [J, A, K]
         if self.calibration is not None:
             step_time = self.calibration.apply(step_time, len(active))
         row_caps, row_remaining = caps[active], remaining[active]

@@ -492,13 +492,14 @@ def test_goodput_policy_starts_a_new_call_at_the_acceptance_of_the_last(learn_pr
 def test_finish_does_not_stop_drafting_on_a_first_probe_of_similar_rows(num_rows):
     """Run 9's k = 0 stretch: rows of similar acceptance (Beta(21.6, 8.4), mean 0.72, sd 0.08),
     a cost model with the H200 run's coefficients, "finish" deciding every 4 steps. After the
-    first probe, the lowest row's rate from 16 judged tokens decides. With the batch weighing as
-    much as that probe in each row's rate (FINISH_SHRINK_TRIALS = 16) the decision is k >= 2 in
-    every one of 20 seeded batches (k with the known rates: 2 or 3); at the old weight 4, k = 0
-    came in 6 of 20 batches of 13 rows and 18 of 20 of 54."""
-    from specdec.policies.goodput import shrunk_rates
+    first probe, the lowest rows' rates from 16 judged tokens decide. With the batch weighing 32
+    judged tokens in each row's rate (FINISH_SHRINK_TRIALS, a prior of about the rows' true
+    spread) the decision is k >= 2 in every one of 20 seeded batches (k with the known rates: 2
+    or 3). At the weight 4 of point estimates, k = 0 came in 6 of 20 batches of 13 rows and 18 of
+    20 of 54; at 16 with the rows' posterior samples (too wide a spread), in 1 and 9 of 20."""
+    from specdec.policies.goodput import FINISH_SHRINK_TRIALS, shrunk_rates
 
-    assert shrunk_rates.__defaults__ == (16.0,)
+    assert shrunk_rates.__defaults__ == (32.0,) and FINISH_SHRINK_TRIALS == 32.0
     model = CostModel.from_coefficients(c_fixed=1.175e-3, c_tok=4.03e-7, c_kv=5.25e-9,
                                         drafters=[{"fixed": 2.0e-4, "rows": 1.2e-7, "steps": 1.88e-4, "tokens": 1.3e-7,
                                                    "kv_tokens": 2.3e-9, "context_tokens": 2.8e-9}])

@@ -1,0 +1,70 @@
+"""Synthetic static batches for trying a length policy without a model: rows of known i.i.d.
+acceptance rates, a known step time (a CostModel's prediction, say), the decoding loop's
+contract for a policy and nothing else. A research sandbox and a test bed: with the rates known,
+the best fixed length of a batch can be found by simulation and a policy's choices compared
+with it (tests/policies/test_simulate.py); the static batch's tail, which lasts as long as its
+slowest row, is reproduced exactly.
+
+Invariant (what ``generate()`` does for a policy): plan before each step, observe its
+StepRecord after; a row drafts at most its budget less one token and emits at most its budget;
+a drafted token is accepted with its row's rate, i.i.d., until the first rejection, after which
+the target's own token is emitted; the call ends when every row has its ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..batch import BatchState
+from ..stats import StepRecord
+from ..types import VerifyCost
+from .base import Policy
+
+
+@dataclass
+class SimulatedCall:
+    steps: int
+    seconds: float
+    tokens: int
+    max_lengths: list[int] = field(default_factory=list)  # the longest draft of each step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def simulate_call(policy: Policy, rates, max_new_tokens: int, step_time: Callable[[np.ndarray, np.ndarray], float],
+                  rng: np.random.Generator, prompt_tokens: int = 64) -> SimulatedCall:
+    """One static batch of len(rates) rows (row i accepts each draft token with rates[i]) under
+    ``policy``; step_time(lengths [A], k [A]) -> seconds of a step whose active rows hold
+    ``lengths`` committed tokens and draft ``k`` (e.g. ``lambda n, k: model.step_time(n, k)``)."""
+    rates = np.asarray(rates, dtype=np.float64)  # [B]
+    if rates.ndim != 1 or len(rates) == 0 or np.any((rates < 0) | (rates >= 1)):
+        raise ValueError(f"rates must be a non-empty 1-D array of acceptance rates in [0, 1), got {rates!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+    num_rows = len(rates)
+    batch = BatchState([np.zeros(prompt_tokens, dtype=np.int64)] * num_rows, max_new_tokens, np.arange(num_rows),
+                       np.zeros(0, dtype=np.int64))
+    result = SimulatedCall(0, 0.0, 0)
+    while not batch.finished.all():
+        active = batch.active_rows()  # [A]
+        plan = policy.plan(batch, 1)
+        remaining = batch.remaining  # [B] 0 where finished
+        drafted = np.where(batch.finished, 0, np.minimum(plan.num_draft_tokens, np.maximum(remaining - 1, 0)))  # [B]
+        accepted = np.minimum(rng.geometric(1.0 - rates) - 1, drafted)  # [B] the run of accepted tokens
+        emitted = np.where(batch.finished, 0, np.minimum(accepted + 1, remaining))  # [B]
+        seconds = float(step_time(batch.lengths[active], drafted[active]))
+        record = StepRecord(result.steps, active, np.zeros(num_rows, dtype=np.int64), drafted, accepted, emitted,
+                            0.0, 0.0, VerifyCost(0, 0), step_time_s=seconds)
+        batch.lengths += emitted
+        batch.finished |= batch.num_generated >= max_new_tokens
+        policy.observe(record)
+        result.steps += 1
+        result.seconds += seconds
+        result.tokens += int(emitted.sum())
+        result.max_lengths.append(int(drafted.max()))
+    return result
