@@ -106,9 +106,12 @@ class PolicyBenchSettings:
     bandit_times: str = "measured"  # "measured" (CUDA events) or "model" (the cost model's predictions)
     profile_grid: str = "default"  # "default" or "tiny"
     profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile
-    # the profile's new tokens per request: at 32 (run 4) it read tau 2.8-3.1 at k=4 against 3.8-4.1
-    # in the 128-token runs (greedy text grows more predictable as it goes on)
-    tau_profile_tokens: int = 64
+    # the profile's new tokens per request, as many as the runs decode: greedy text grows more
+    # predictable as it goes on, so a shorter profile reads a lower tau and favours shorter drafts
+    # (at 32, run 4: tau 2.8-3.1 at k=4 against 3.8-4.1 in the 128-token runs; at 64, run 12:
+    # BatchAdaptivePolicy's table drafted 2 on `mixed` at batch 16 and 64, where k = 4 ran 1.16x and
+    # 1.04x faster)
+    tau_profile_tokens: int = 128
     tau_profile_repeats: int = 3  # measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median)
     warmup_tokens: int = 8  # new tokens of each untimed warm-up call
     # held-out requests each learning policy (GoodputPolicy, BanditPolicy) serves, untimed, before
@@ -970,6 +973,17 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
 MERGEABLE = {"batch_sizes", "time_limit_s"}  # settings that may differ between merged parts
 
 
+def _unused_difference(key: str, a: dict, b: dict) -> bool:
+    """Whether settings ``a`` and ``b`` differ in ``key`` only where neither part used it:
+    ``history_prompts`` sizes the history at batch sizes above 1 alone (batch 1 serves
+    batch1_prompts), so a part that measured batch 1 alone may differ from another in it, as
+    long as neither started fresh (0)."""
+    if key == "history_prompts":
+        only_batch_1 = list(a.get("batch_sizes", ())) == [1] or list(b.get("batch_sizes", ())) == [1]
+        return only_batch_1 and bool(a.get(key)) and bool(b.get(key))
+    return False
+
+
 def merge(results: list[dict]) -> dict:
     """Runs of the same experiment over different batch sizes (one GPU call each) -> one result:
     rows and skipped runs concatenated, targets recomputed over all of them. Every part must have
@@ -982,7 +996,8 @@ def merge(results: list[dict]) -> dict:
         if other.get("format") != first.get("format"):
             raise ValueError(f"cannot merge results of formats {first.get('format')!r} and {other.get('format')!r}")
         differing = sorted(k for k in set(first["settings"]) | set(other["settings"])
-                           if k not in MERGEABLE and first["settings"].get(k) != other["settings"].get(k))
+                           if k not in MERGEABLE and first["settings"].get(k) != other["settings"].get(k)
+                           and not _unused_difference(k, first["settings"], other["settings"]))
         differing += [k for k in ("dtype", "zoo", "drafters", "policy_drafter") if first.get(k) != other.get(k)]
         if differing:
             raise ValueError(f"cannot merge runs whose settings differ in {differing}: run them with the same options "

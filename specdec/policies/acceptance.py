@@ -56,31 +56,43 @@ def rate_from_expected_tokens(expected_tokens, grid_points: int = 1001) -> float
     return float(rates[np.argmin(error), 0])
 
 
-def rate_matching_tokens(steps_by_length, tokens_by_length, iterations: int = 60) -> float:
-    """The i.i.d. acceptance rate a with sum_s n_s E[tau](s) = sum_s t_s (bisection on [0, 1];
-    E[tau] grows with a): n_s row-steps that drafted s tokens (index s), t_s the tokens they
-    emitted. Pooled over rows of different rates, it predicts the batch's tokens per step at
-    the lengths drafted, where accepted over judged tokens reads high: rows that accept long
-    runs judge more tokens per step and weigh more. 0 steps: NaN."""
+def rate_matching_tokens(steps_by_length, tokens_by_length, grid_points: int = 1025) -> float:
+    """The i.i.d. acceptance rate a with sum_s n_s E[tau](s) = sum_s t_s (E[tau] grows with a:
+    the crossing on a grid of ``grid_points`` rates in [0, 1], interpolated linearly between its
+    neighbours; one vectorised pass, not a bisection of scalar calls): n_s row-steps that
+    drafted s tokens (index s), t_s the tokens they emitted. Pooled over rows of different
+    rates, it predicts the batch's tokens per step at the lengths drafted, where accepted over
+    judged tokens reads high: rows that accept long runs judge more tokens per step and weigh
+    more. 0 steps: NaN; tokens beyond what a = 0 or 1 gives: 0 or 1."""
     steps = np.asarray(steps_by_length, dtype=np.float64)  # [S]
     target = float(np.sum(tokens_by_length))
     if steps.sum() <= 0:
         return float("nan")
-    lengths = np.arange(len(steps), dtype=np.float64)
-    low, high = 0.0, 1.0
-    for _ in range(iterations):
-        middle = 0.5 * (low + high)
-        if float(steps @ expected_emitted(middle, lengths)) < target:
-            low = middle
-        else:
-            high = middle
-    return 0.5 * (low + high)
+    rates = _RATE_GRIDS.get(grid_points)
+    if rates is None:
+        rates = _RATE_GRIDS.setdefault(grid_points, np.linspace(0.0, 1.0, grid_points))
+    powers = rates[:, None] ** np.arange(1, len(steps) + 1)[None, :]  # [G, S] a^1 .. a^S
+    emitted = 1.0 + np.concatenate([np.zeros((grid_points, 1)), np.cumsum(powers[:, :-1], axis=1)], axis=1)  # [G, S] E[tau](s)
+    predicted = emitted @ steps  # [G] non-decreasing in a
+    above = int(np.searchsorted(predicted, target, side="left"))
+    if above == 0:
+        return 0.0
+    if above >= grid_points:
+        return 1.0
+    low, high = predicted[above - 1], predicted[above]
+    fraction = (target - low) / (high - low) if high > low else 0.0
+    return float(rates[above - 1] + fraction * (rates[above] - rates[above - 1]))
+
+
+_RATE_GRIDS: dict[int, np.ndarray] = {}
 
 
 def add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a + b for 1-D arrays of different lengths, the shorter padded with zeros (counts by draft length)."""
-    size = max(len(a), len(b))
-    return np.pad(a, (0, size - len(a))) + np.pad(b, (0, size - len(b)))
+    out = np.zeros(max(len(a), len(b)), dtype=np.result_type(a, b, np.float64))
+    out[: len(a)] += a
+    out[: len(b)] += b
+    return out
 
 
 def marginal_gains(position_rates: np.ndarray) -> np.ndarray:
@@ -373,6 +385,8 @@ class RowRateSpread:
             raise ValueError(f"capacity must be at least {self.MIN_ROWS} rows, got {capacity!r}")
         self._rates: deque[float] = deque(maxlen=capacity)
         self._trials: deque[float] = deque(maxlen=capacity)
+        self._strength: float | None = None  # prior_strength, computed once per add_rows
+        self._stale = False
 
     def __len__(self) -> int:
         return len(self._rates)
@@ -385,6 +399,7 @@ class RowRateSpread:
             if t >= self.MIN_ROW_TRIALS:
                 self._rates.append(float(s / t))
                 self._trials.append(float(t))
+                self._stale = True
 
     def between_row_variance(self) -> float:
         """The variance of the rows' true rates (observed variance less sampling variance; >= 0);
@@ -398,6 +413,11 @@ class RowRateSpread:
     def prior_strength(self) -> float | None:
         """w = m (1 - m) / v - 1 (clipped), the Beta prior's weight in judged tokens; None until
         MIN_ROWS rows are held."""
+        if self._stale:
+            self._strength, self._stale = self._estimate_strength(), False
+        return self._strength
+
+    def _estimate_strength(self) -> float | None:
         variance = self.between_row_variance()
         if not variance == variance:  # NaN
             return None

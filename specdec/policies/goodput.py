@@ -336,28 +336,31 @@ def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, r
     the expected slowest: stragglers are if anything under-counted)."""
     gains = np.asarray(gains, dtype=np.float64)
     num_rows, max_k = gains.shape[-2:]
+    caps = np.minimum(np.asarray(caps, dtype=np.int64), max_k)  # [A]
     k = _uniform_lengths(caps, max_k)  # [K+1, A]
-    cumulative = np.swapaxes(_cumulative_gains(gains), -1, -2)  # [..., K+1 (length), A]
-    lead = gains.shape[:-2]
-    emitted = 1.0 + np.take_along_axis(cumulative, np.broadcast_to(k, lead + k.shape), axis=-2)  # [..., K+1, A]
-    steps = np.asarray(remaining, dtype=np.float64) / emitted  # [..., K+1, A]
-    order = np.argsort(steps, axis=-1, kind="stable")  # [..., K+1, A] rows by finishing point
-    ordered_steps = np.take_along_axis(steps, order, axis=-1)
-    segment = np.diff(ordered_steps, axis=-1, prepend=0.0)  # [..., K+1, A] steps while rows order[j:] are active
-
-    def suffix_sum(per_row):  # [K+1, A] per row -> [..., K+1, A] summed over rows order[j:]
-        ordered = np.take_along_axis(np.broadcast_to(per_row, order.shape), order, axis=-1)
-        return np.flip(np.cumsum(np.flip(ordered, axis=-1), axis=-1), axis=-1)
-
+    rows = np.arange(num_rows)
+    emitted = 1.0 + _cumulative_gains(gains)[..., rows[None, :], k]  # [..., K+1, A] E[tau_i](k_i)
+    steps = np.asarray(remaining, dtype=np.float64) / emitted  # [..., K+1, A] each row's steps to its finish
+    # with a row's steps s_i, the stretches between finishing points add up, term by term, to:
+    # the fixed part of the step for the slowest row's steps; each row's own part for its steps;
+    # the drafter's depth-d pass for as long as a row drafting >= d tokens is active
     row_base = np.zeros(num_rows) if step_time.row_base is None else np.asarray(step_time.row_base, dtype=np.float64)
     fixed_base = step_time.base - row_base.sum()
     row_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))
     token_cost = np.broadcast_to(np.asarray(step_time.token_cost, dtype=np.float64), (num_rows,))
     per_row = row_base[None, :] + row_cost[None, :] * (k > 0) + token_cost[None, :] * k  # [K+1, A]
-    ordered_k = np.take_along_axis(np.broadcast_to(k, order.shape), order, axis=-1)
-    depth = np.flip(np.maximum.accumulate(np.flip(ordered_k, axis=-1), axis=-1), axis=-1)  # [..., K+1, A]
-    seconds = fixed_base + suffix_sum(per_row) + (depth > 0) * (step_time.draft_fixed + step_time.depth_cost * depth)
-    return (segment * seconds).sum(axis=-1)
+    seconds = fixed_base * steps.max(axis=-1) + (per_row * steps).sum(axis=-1)  # [..., K+1]
+    # rows drafting >= d tokens at uniform length l: those of cap >= d, if l >= d; the longest of
+    # their steps from a running maximum over the rows in order of decreasing cap
+    depths = np.arange(1, max_k + 1)  # [D]
+    by_cap = np.argsort(-caps, kind="stable")  # [A]
+    running_max = np.maximum.accumulate(steps[..., by_cap], axis=-1)  # [..., K+1, A]
+    capable = (caps[None, :] >= depths[:, None]).sum(axis=1)  # [D] rows of cap >= d
+    longest = np.where(capable > 0, running_max[..., np.maximum(capable - 1, 0)], 0.0)  # [..., K+1, D]
+    longest = longest * (np.arange(max_k + 1)[:, None] >= depths[None, :])  # [..., K+1, D] only where l >= d
+    depth_step = np.full(max_k, step_time.depth_cost)  # [D] what the d-th sequential pass adds
+    depth_step[0] += step_time.draft_fixed  # the first also starts the drafter
+    return seconds + longest @ depth_step
 
 
 SEARCH_FUNCTIONS = {"exact": search_exact, "greedy": search_greedy, "uniform": search_uniform}
@@ -538,8 +541,8 @@ class StepTimeCalibration:
         base = self.base_scale.get(bucket, 1.0) * step_time.base  # drafting samples leave base_scale as it is
         for seconds in measured_s:
             if seconds > 0:
-                self._add(self._extra_samples, self.extra_scale, bucket,
-                          float(np.clip((seconds - base) / extra, *self.EXTRA_CLIP)))
+                low, high = self.EXTRA_CLIP
+                self._add(self._extra_samples, self.extra_scale, bucket, min(max((seconds - base) / extra, low), high))
 
 
 class GoodputPolicy(Policy):

@@ -109,8 +109,19 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
     assert len(merged["parts"]) == 2 and "part 2 of 2: batch sizes [1]" in (tmp_path / "merged.md").read_text()
     with pytest.raises(SystemExit, match="both measured batch 8"):
         main(["bench", "--policies", "--merge", str(parts[0]), str(parts[0]), "--out", str(tmp_path)])
+    # the history's size at batch sizes above 1 may differ from a part of batch 1 alone (which
+    # serves batch1_prompts); starting fresh (0) may not
     other = {**json.loads(parts[1].read_text())}
-    other["settings"] = {**other["settings"], "max_new_tokens": 99}
+    for history, merges in ((whole["settings"]["history_prompts"] + 4, True), (0, False)):
+        other["settings"] = {**other["settings"], "history_prompts": history}
+        parts[1].write_text(json.dumps(other))
+        argv = ["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path), "--name", "history"]
+        if merges:
+            assert main(argv) == 0
+        else:
+            with pytest.raises(SystemExit, match=r"settings differ in \['history_prompts'\]"):
+                main(argv)
+    other["settings"] = {**other["settings"], "history_prompts": whole["settings"]["history_prompts"], "max_new_tokens": 99}
     parts[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match=r"settings differ in \['max_new_tokens'\]"):
         main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path)])
@@ -241,7 +252,7 @@ def test_the_profile_and_pinning_options_reach_the_settings():
     settings = settings_from(parser().parse_args(["--tau-profile-tokens", "128", "--profile-repeats", "5", "--pin-cpu"]))
     assert (settings.tau_profile_tokens, settings.tau_profile_repeats, settings.pin_cpu) == (128, 5, True)
     default = settings_from(parser().parse_args([]))
-    assert (default.tau_profile_tokens, default.tau_profile_repeats, default.pin_cpu, default.prompt_tokens) == (64, 3, False, 256)
+    assert (default.tau_profile_tokens, default.tau_profile_repeats, default.pin_cpu, default.prompt_tokens) == (128, 3, False, 256)
     quick = settings_from(parser().parse_args(["--quick", "--profile-repeats", "2"]))
     assert quick.tau_profile_repeats == 2 and quick.prompt_tokens == 128 and quick.tau_profile_tokens == 32
     for option in ("--tau-profile-tokens", "--profile-repeats", "--repeats"):

@@ -189,6 +189,9 @@ def test_finish_search_minimises_the_simulated_call_time():
         predicted = call_times(gains, caps, step_time, remaining)
         simulated = [simulated_call_time(model, lengths, gains, caps, remaining, s) for s in range(gains.shape[1] + 1)]
         assert predicted == pytest.approx(simulated, rel=1e-9)
+        samples = np.stack([gains, 0.5 * gains])  # [2, A, K] samples of the gains: one call time each
+        assert call_times(samples, caps, step_time, remaining) == pytest.approx(
+            np.stack([predicted, call_times(0.5 * gains, caps, step_time, remaining)]), rel=1e-12)
         k, goodput, _ = choose_lengths(gains, caps, step_time, "finish", min_gain=0.0, remaining=remaining)
         best = int(np.argmin(simulated))
         assert simulated[int(k.max())] == pytest.approx(simulated[best], rel=1e-9)
