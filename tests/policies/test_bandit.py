@@ -182,7 +182,7 @@ def test_model_time_attribution():
 
 
 @pytest.mark.parametrize("kwargs", [{"num_draft_tokens": 0}, {"strategy": "thompson"}, {"scope": "row"},
-                                    {"confidence": "bootstrap"}])
+                                    {"confidence": "bootstrap"}, {"hold_steps": 1}, {"hold_steps": 2.5}])
 def test_bad_bandit_options(kwargs):
     with pytest.raises(ValueError):
         BanditPolicy(**kwargs)
@@ -205,9 +205,10 @@ def test_a_row_that_drafted_nothing_does_not_reward_its_arm():
 
 
 @pytest.mark.parametrize("scope", ["request", "batch"])
-def test_a_switch_is_played_twice_and_learnt_from_its_second_step(scope):
+def test_a_switch_is_held_and_learnt_from_after_its_first_step(scope):
     """Two drafters of equal worth, except that a step right after switching to one costs 4x
-    (its catch-up on the tokens it missed). Every switch is held for a second step, every
+    (its catch-up on the tokens it missed). Every switch is held (2 steps per request, 4 per
+    batch), every
     reward learnt comes from a non-switching step, so both arms' mean rewards read the same
     (4 tokens per second of row 0's attributed time), whichever arm was switched to more often."""
     policy = BanditPolicy(num_draft_tokens=2, strategy="ucb", scope=scope, warm_start=0)
@@ -222,7 +223,9 @@ def test_a_switch_is_played_twice_and_learnt_from_its_second_step(scope):
                                    verify_s=seconds / 2, drafter_s=[seconds / 2 if d == arms[0] else 0.0 for d in (0, 1)]))
         played.append(int(arms[0]))
     switches = [i for i in range(1, len(played)) if played[i] != played[i - 1]]
-    assert switches and all(played[i + 1] == played[i] for i in switches if i + 1 < len(played))  # held
+    hold = 4 if scope == "batch" else 2
+    assert policy.hold_steps == hold
+    assert switches and all(played[i + j] == played[i] for i in switches for j in range(hold) if i + j < len(played))
     means = policy.bandits.raw_means()[0]
     assert means[0] == pytest.approx(means[1]) and means[0] > 0
 
@@ -548,8 +551,27 @@ def test_batch_scope_rewards_tokens_per_second_of_the_steps_wall_time():
             policy.observe(record)
         return policy.bandits.raw_means()[0].max()
 
-    assert reward(1.0) == pytest.approx(12 / 1.0)  # 12 tokens over the step's second
-    assert reward(None) == pytest.approx(12 / 1.4)  # verify 0.5 + the drafter's host-clock 0.9
+    assert reward(1.0) == pytest.approx(12 / 4 / 1.0)  # 12 tokens of 4 rows over the step's second
+    assert reward(None) == pytest.approx(12 / 4 / 1.4)  # verify 0.5 + the drafter's host-clock 0.9
+
+
+def test_batch_scope_rewards_a_drafter_alike_whatever_the_rows_left():
+    """Batch scope rewards tokens per second per active row: steps with 16 rows active and steps
+    once 12 of them have finished teach both drafters the same 3 tokens per row per second when
+    each row emits 3 tokens a step and every step takes 1 s (tokens per second of the step would
+    read 48 and 12, each drafter's mean a mixture of the two by when it happened to be tried)."""
+    policy = BanditPolicy(num_draft_tokens=2, strategy="ucb", scope="batch")
+    batch = endless_batch(16)
+    for step in range(40):
+        if step == 20:
+            batch.finished[4:] = True
+        rows = batch.active_rows()
+        arms = policy.plan(batch, num_drafters=2).drafter_index
+        record = make_record(drafted=[2] * 16, emitted=[3] * 16, drafter=arms.tolist(), draft_s=0.5, verify_s=0.5)
+        record.rows, record.step_time_s = rows, 1.0
+        policy.observe(record)
+    means, pulls = policy.bandits.raw_means()[0], policy.bandits.counts[0]
+    assert pulls.min() > 0 and means == pytest.approx([3.0, 3.0])
 
 
 def test_rows_on_a_drafter_another_row_switched_to_learn_nothing_that_step(monkeypatch):
