@@ -39,14 +39,17 @@ Searches:
   steps dearer, which per-step goodput does not see. The lowest rows' rates decide it, so it
   reads each row's rate as a Beta posterior: its decayed counts and a prior around the batch's
   rate (shrunk_rates: the lowest of 64 noisy per-step averages passed for a straggler, run 7,
-  k = 2 for 32 steps where k = 4 was 7% faster), the prior's weight learnt from how much the
-  earlier calls' rows differed (RowRateSpread), and it times the call over stratified samples of
-  those posteriors (posterior_rate_samples). Rows not yet measured are thus a spread of rates,
-  not one: at a call's start every row read the batch's mean rate, and "finish" drafted 7-8
-  tokens for its first 16 steps where 3-4 was best (run 11).
+  k = 2 for 32 steps where k = 4 was 7% faster), the prior's weight raised where earlier calls'
+  rows were more alike than its default (RowRateSpread), and it times the call over samples of
+  those posteriors (posterior_rate_samples; ``finish_rate_samples``, 8). The prior never weighs
+  less than FINISH_SHRINK_TRIALS: learnt down to 9 judged tokens at continuation b64 (run 13),
+  the posteriors' lowest quantiles read stragglers among 53 rows and "finish" decoded plainly
+  for 32 steps where k = 4 ran 1.43x plain (a row's rate moves over a call, so the spread of
+  whole-call rates overstates the spread of what is left).
 
 A call's second decision comes FIRST_INTERVAL steps after its first (which knows nothing of the
-call's rows), then every ``decide_every``.
+call's rows: "finish" drafted 7-8 tokens for the first 16 steps of a call where 3-4 was best,
+run 11), then every ``decide_every``.
 
 Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
 every row decodes plainly this step. Acceptance is estimated online (EMA 0.85/0.15 or a window
@@ -116,9 +119,10 @@ CATCH_UP_HORIZON = 16  # steps a returning row's measured catch-up is spread ove
 # batches of 54 (tests/policies/test_profile_options.py)
 FINISH_SHRINK_TRIALS = 32.0
 FINISH_COUNT_DECAY = 0.95  # "finish": what a row's judged draft tokens keep per drafting step (a memory of about 20)
-# "finish": samples of the batch's rates, each row at stratified quantiles of its posterior: rows
-# whose rates are not yet known are not one rate (at the start of a call they are the spread of
-# earlier calls' rows), and a batch's slowest rows set its length (posterior_rate_samples)
+# "finish": samples of the batch's rates, each row at stratified quantiles of its posterior
+# (posterior_rate_samples); 1: each row at its posterior mean. On synthetic batches of 16 rows
+# of different rates, 8 samples reached 0.981 of the best fixed length where the means reached
+# 0.955 (tests/policies/test_simulate.py)
 FINISH_RATE_SAMPLES = 8
 FIRST_INTERVAL = 4  # steps before a call's second decision (its first knows nothing of the call's rows)
 
@@ -549,7 +553,7 @@ class GoodputPolicy(Policy):
     def __init__(self, cost_model: CostModel, max_draft_tokens: int = 8, search: str = "exact", drafter_index: int = 0,
                  min_gain: float = 0.10, decide_every: int = 1, prior: float = 0.5, estimator: str = "ema",
                  window: int = 100, per_position: bool = False, calibrate: bool = True, revisit: float = 0.05,
-                 reprobe_after: int = 64, learn_prior: bool = True):
+                 reprobe_after: int = 64, learn_prior: bool = True, finish_rate_samples: int = FINISH_RATE_SAMPLES):
         """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);
         search: "exact", "greedy" (per-row lengths), "uniform" (one length for the batch) or
         "finish" (one length, the one that finishes every active row soonest: call_times);
@@ -569,7 +573,9 @@ class GoodputPolicy(Policy):
         reprobe_after: after this many steps in a row without drafting at a batch size, forget
         the measured drafting cost there and let the model decide (and measure) again; 0 never;
         learn_prior: start each generate() call's rows at the acceptance learnt over the earlier
-        calls (LearnedPrior) rather than at ``prior`` every time."""
+        calls (LearnedPrior) rather than at ``prior`` every time; finish_rate_samples ("finish"):
+        time the call over this many stratified samples of the rows' posterior rates
+        (posterior_rate_samples; 1: each row at its posterior mean)."""
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 1:
@@ -582,6 +588,10 @@ class GoodputPolicy(Policy):
             raise ValueError(f"need min_gain >= 0 and decide_every >= 1, got {min_gain!r} and {decide_every!r}")
         if not 0.0 <= revisit <= 1.0:
             raise ValueError(f"revisit must lie in [0, 1], got {revisit!r}")
+        if isinstance(finish_rate_samples, bool) or not isinstance(finish_rate_samples, (int, np.integer)) \
+                or finish_rate_samples < 1:
+            raise ValueError(f"finish_rate_samples must be an integer >= 1, got {finish_rate_samples!r}")
+        self.finish_rate_samples = int(finish_rate_samples)
         if isinstance(reprobe_after, bool) or not isinstance(reprobe_after, (int, np.integer)) or reprobe_after < 0:
             raise ValueError(f"reprobe_after must be an integer >= 0, got {reprobe_after!r}")
         self.cost_model, self.search, self.drafter_index = cost_model, search, int(drafter_index)
@@ -749,11 +759,12 @@ class GoodputPolicy(Policy):
 
     @property
     def finish_prior_trials(self) -> float:
-        """"finish": what the batch's rate weighs in each row's, in judged draft tokens: learnt
-        from earlier calls' rows (RowRateSpread.prior_strength) once enough are known, else
-        FINISH_SHRINK_TRIALS."""
+        """"finish": what the batch's rate weighs in each row's, in judged draft tokens:
+        FINISH_SHRINK_TRIALS, or more where earlier calls' rows were more alike than that
+        (RowRateSpread.prior_strength), never less (a weaker prior read stragglers that were
+        not, run 13)."""
         learnt = self.row_spread.prior_strength() if self.row_spread is not None else None
-        return FINISH_SHRINK_TRIALS if learnt is None else learnt
+        return FINISH_SHRINK_TRIALS if learnt is None else max(learnt, FINISH_SHRINK_TRIALS)
 
     def _row_rates(self, active: np.ndarray) -> np.ndarray:
         """[A] the i.i.d. acceptance rate of each active row: the estimator's, or for "finish"
@@ -777,7 +788,7 @@ class GoodputPolicy(Policy):
             rates = self.estimator.position_rates(self.drafter_index)[active]  # [A, K]
         elif self.search == "finish":  # samples of the batch: [J, A]
             rates = posterior_rate_samples(self._row_successes, self._row_trials, self.cold_start_rate,
-                                           self.finish_prior_trials, FINISH_RATE_SAMPLES)[:, active]
+                                           self.finish_prior_trials, self.finish_rate_samples)[:, active]
             rates = np.repeat(rates[..., None], self.max_draft_tokens, axis=-1)  # [J, A, K]
         else:
             rates = np.repeat(self._row_rates(active)[:, None], self.max_draft_tokens, axis=1)

@@ -69,17 +69,25 @@ def test_row_rate_spread_recovers_the_prior_strength(sd, low, high):
 
 
 def test_finish_learns_the_rows_spread_from_earlier_calls():
-    """After a call of 32 rows of rates sd 0.15, "finish" weighs the batch's rate by the learnt
-    strength rather than FINISH_SHRINK_TRIALS; the other searches learn no spread."""
-    rng = np.random.default_rng(5)
-    policy = GoodputPolicy(H200_LIKE, max_draft_tokens=8, prior=0.7, search="finish", calibrate=False)
-    assert policy.finish_prior_trials == 32.0
-    simulate_call(policy, beta_rates(rng, 32, 0.7, 0.15), 128, step_time, rng)
-    policy.end_call()
-    assert len(policy.row_spread) == 32
-    assert 3.0 < policy.finish_prior_trials < 20.0
+    """After a call of 32 rows, "finish" weighs the batch's rate in each row's by what it learnt
+    of how alike rows are: more than FINISH_SHRINK_TRIALS after rows of sd 0.03, exactly that
+    (its floor) after rows of sd 0.15; the other searches learn no spread."""
+    def learnt(sd):
+        rng = np.random.default_rng(5)
+        policy = GoodputPolicy(H200_LIKE, max_draft_tokens=8, prior=0.7, search="finish", calibrate=False)
+        assert policy.finish_prior_trials == 32.0
+        simulate_call(policy, beta_rates(rng, 32, 0.7, sd), 128, step_time, rng)
+        policy.end_call()
+        assert len(policy.row_spread) == 32
+        return policy.finish_prior_trials, policy.row_spread.prior_strength()
+
+    alike, wide = learnt(0.03), learnt(0.15)
+    assert alike[0] == alike[1] > 60.0
+    assert wide[0] == 32.0 and 3.0 < wide[1] < 20.0
     assert GoodputPolicy(H200_LIKE, search="exact").row_spread is None
     assert GoodputPolicy(H200_LIKE, search="finish", learn_prior=False).row_spread is None
+    with pytest.raises(ValueError, match="finish_rate_samples"):
+        GoodputPolicy(H200_LIKE, search="finish", finish_rate_samples=0)
 
 
 def test_a_calls_second_decision_comes_after_the_first_interval():
