@@ -992,13 +992,18 @@ def merge(results: list[dict]) -> dict:
     if len(results) < 2:
         raise ValueError("merge needs at least two results")
     first = results[0]
-    for other in results[1:]:
-        if other.get("format") != first.get("format"):
-            raise ValueError(f"cannot merge results of formats {first.get('format')!r} and {other.get('format')!r}")
-        differing = sorted(k for k in set(first["settings"]) | set(other["settings"])
-                           if k not in MERGEABLE and first["settings"].get(k) != other["settings"].get(k)
-                           and not _unused_difference(k, first["settings"], other["settings"]))
-        differing += [k for k in ("dtype", "zoo", "drafters", "policy_drafter") if first.get(k) != other.get(k)]
+    # settings are checked against a part that measured more than batch 1 where there is one (a
+    # batch-1 part may differ from it only where batch 1 does not use a setting), and recorded from it
+    reference = next((part for part in results if list(part["settings"].get("batch_sizes", ())) != [1]), first)
+    for other in results:
+        if other is reference:
+            continue
+        if other.get("format") != reference.get("format"):
+            raise ValueError(f"cannot merge results of formats {reference.get('format')!r} and {other.get('format')!r}")
+        differing = sorted(k for k in set(reference["settings"]) | set(other["settings"])
+                           if k not in MERGEABLE and reference["settings"].get(k) != other["settings"].get(k)
+                           and not _unused_difference(k, reference["settings"], other["settings"]))
+        differing += [k for k in ("dtype", "zoo", "drafters", "policy_drafter") if reference.get(k) != other.get(k)]
         if differing:
             raise ValueError(f"cannot merge runs whose settings differ in {differing}: run them with the same options "
                              "except --batch-sizes and --time-limit-s")
@@ -1008,7 +1013,7 @@ def merge(results: list[dict]) -> dict:
             if batch in seen:
                 raise ValueError(f"parts {seen[batch]} and {i} both measured batch {batch}: merge runs of different batch sizes")
             seen[batch] = i
-    merged = {**first, "settings": dict(first["settings"]), "timings": {}, "rows": [], "skipped": []}
+    merged = {**first, "settings": dict(reference["settings"]), "timings": {}, "rows": [], "skipped": []}
     merged["settings"]["batch_sizes"] = sorted(seen)
     merged["settings"]["time_limit_s"] = [part["settings"].get("time_limit_s") for part in results]  # one per part
     merged["parts"] = [{"environment": part["environment"], "batch_sizes": part["settings"]["batch_sizes"],

@@ -95,11 +95,14 @@ def monotone_table(tokens_per_s: Mapping[tuple[int, int], float]) -> dict[int, i
     """{b: s(b)} with lengths that never grow with the batch size (the synergy paper's finding:
     the larger the batch, the shorter the best draft), the choice of highest total over batch
     sizes of each one's measured throughput relative to its best, sum_b tps(b, s(b)) / max_s
-    tps(b, s) (dynamic programming over the batch sizes, ascending; ties: the shorter draft).
+    tps(b, s) (dynamic programming over the batch sizes, ascending; ties: the shortest draft at
+    the largest batch size, then at each smaller one the shortest of the best allowed).
     Where the measured argmax already shortens as b grows it is the argmax; one odd measurement
     (run 10, continuation: plain decoding best at batch 16, between k = 4 at 4 and at 64) gives
     way where keeping it would cost its neighbours more than it gains. A pair (b, s) not
-    measured is not chosen."""
+    measured is not chosen; measurements that leave no such table are an error."""
+    if not tokens_per_s:
+        raise ValueError("monotone_table needs measured throughputs {(batch size, length): tokens/s}, got none")
     best_of: dict[int, float] = {}
     for (b, s), value in tokens_per_s.items():
         if int(b) < 1 or int(s) < 0 or not value > 0:
@@ -115,6 +118,10 @@ def monotone_table(tokens_per_s: Mapping[tuple[int, int], float]) -> dict[int, i
     for j in range(1, len(sizes)):
         longer_or_equal = np.maximum.accumulate(total[j - 1][::-1])[::-1]  # [S] max over s' >= s
         total[j] = score[j] + longer_or_equal
+    if np.isneginf(total[-1]).all():
+        raise ValueError(f"no table of lengths that never grow with the batch size uses only measured pairs "
+                         f"{sorted(tokens_per_s)}: measure plain decoding (length 0) at every batch size, or use "
+                         "table_from_throughput")
     chosen = [int(np.argmax(total[-1]))]  # first maximum: the shorter draft
     for j in range(len(sizes) - 2, -1, -1):
         allowed = np.where(np.arange(len(lengths)) >= chosen[-1], total[j], -np.inf)

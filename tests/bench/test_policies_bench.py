@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from specdec.__main__ import main
-from specdec.bench.policies import kind_oracle_bound, markdown, policy_targets
+from specdec.bench.policies import kind_oracle_bound, markdown, merge, policy_targets
 from specdec.policies import CostModel, FixedPolicy
 
 
@@ -121,7 +121,22 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
         else:
             with pytest.raises(SystemExit, match=r"settings differ in \['history_prompts'\]"):
                 main(argv)
-    other["settings"] = {**other["settings"], "history_prompts": whole["settings"]["history_prompts"], "max_new_tokens": 99}
+    # parts of batch sizes above 1 must agree with each other, whichever part comes first
+    history = whole["settings"]["history_prompts"]
+    other["settings"] = {**other["settings"], "history_prompts": history + 4}
+    parts[1].write_text(json.dumps(other))
+    third = {**json.loads(parts[0].read_text())}
+    third["settings"] = {**third["settings"], "batch_sizes": [16], "history_prompts": history + 8}
+    third["rows"] = [{**r, "batch": 16} for r in third["rows"]]
+    parts.append(tmp_path / "part16.json")
+    parts[2].write_text(json.dumps(third))
+    for order in ([1, 0, 2], [0, 1, 2]):
+        with pytest.raises(SystemExit, match=r"settings differ in \['history_prompts'\]"):
+            main(["bench", "--policies", "--merge", *(str(parts[i]) for i in order), "--out", str(tmp_path)])
+    merged = merge([json.loads(parts[i].read_text()) for i in (1, 0)])
+    assert merged["settings"]["history_prompts"] == history  # from the part that used it
+    parts.pop()
+    other["settings"] = {**other["settings"], "history_prompts": history, "max_new_tokens": 99}
     parts[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match=r"settings differ in \['max_new_tokens'\]"):
         main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path)])

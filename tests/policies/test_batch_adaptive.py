@@ -278,7 +278,7 @@ def test_a_profile_round_without_steps_is_refused(monkeypatch):
 
 def brute_force_monotone(tokens_per_s):
     """Every assignment of lengths to batch sizes that never grows with the batch size: the one
-    of highest summed relative throughput (the shortest drafts, size by size, among ties)."""
+    of highest summed relative throughput (random throughputs leave no exact ties to break)."""
     import itertools
 
     sizes = sorted({b for b, _ in tokens_per_s})
@@ -329,3 +329,10 @@ def test_monotone_table_outvotes_one_odd_measurement():
     assert monotone_table({(1, 0): 1.0, (1, 8): 2.0, (64, 0): 1.0, (64, 8): 0.5}) == {1: 8, 64: 0}  # argmax kept
     with pytest.raises(ValueError, match="positive"):
         monotone_table({(4, 2): 0.0})
+    # without plain decoding measured, lengths that only grow with the batch leave no table
+    assert monotone_table({(1, 4): 1.0, (1, 2): 0.9, (4, 2): 1.0}) == {1: 4, 4: 2}
+    for unusable in ({(1, 0): 1.0, (4, 4): 1.0}, {(1, 2): 1.0, (4, 0): 1.0, (4, 4): 2.0, (16, 4): 1.0, (64, 6): 1.0}):
+        with pytest.raises(ValueError, match="never grow"):
+            monotone_table(unusable)
+    with pytest.raises(ValueError, match="got none"):
+        monotone_table({})
