@@ -68,12 +68,8 @@ def rate_matching_tokens(steps_by_length, tokens_by_length, grid_points: int = 1
     target = float(np.sum(tokens_by_length))
     if steps.sum() <= 0:
         return float("nan")
-    rates = _RATE_GRIDS.get(grid_points)
-    if rates is None:
-        rates = _RATE_GRIDS.setdefault(grid_points, np.linspace(0.0, 1.0, grid_points))
-    powers = rates[:, None] ** np.arange(1, len(steps) + 1)[None, :]  # [G, S] a^1 .. a^S
-    emitted = 1.0 + np.concatenate([np.zeros((grid_points, 1)), np.cumsum(powers[:, :-1], axis=1)], axis=1)  # [G, S] E[tau](s)
-    predicted = emitted @ steps  # [G] non-decreasing in a
+    rates = np.linspace(0.0, 1.0, grid_points)  # [G]
+    predicted = expected_emitted(rates[:, None], np.arange(len(steps))[None, :]) @ steps  # [G] non-decreasing in a
     above = int(np.searchsorted(predicted, target, side="left"))
     if above == 0:
         return 0.0
@@ -82,9 +78,6 @@ def rate_matching_tokens(steps_by_length, tokens_by_length, grid_points: int = 1
     low, high = predicted[above - 1], predicted[above]
     fraction = (target - low) / (high - low) if high > low else 0.0
     return float(rates[above - 1] + fraction * (rates[above] - rates[above - 1]))
-
-
-_RATE_GRIDS: dict[int, np.ndarray] = {}
 
 
 def add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -395,11 +388,10 @@ class RowRateSpread:
         """One call's rows: [B] accepted and judged draft tokens of each (rows that judged fewer
         than MIN_ROW_TRIALS are left out: their rate is mostly noise)."""
         successes, trials = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
-        for s, t in zip(successes, trials):
-            if t >= self.MIN_ROW_TRIALS:
-                self._rates.append(float(s / t))
-                self._trials.append(float(t))
-                self._stale = True
+        kept = trials >= self.MIN_ROW_TRIALS  # [B]
+        self._rates.extend((successes[kept] / trials[kept]).tolist())
+        self._trials.extend(trials[kept].tolist())
+        self._stale = self._stale or bool(kept.any())
 
     def between_row_variance(self) -> float:
         """The variance of the rows' true rates (observed variance less sampling variance; >= 0);

@@ -79,13 +79,19 @@ def build_table(batch_sizes: Sequence[int], expected_tokens: Mapping[int, float]
     return table
 
 
+def _check_throughputs(tokens_per_s: Mapping[tuple[int, int], float]) -> None:
+    """Measured {(b, s): tokens/s} must hold batch sizes >= 1, lengths >= 0 and positive values."""
+    for (b, s), value in tokens_per_s.items():
+        if int(b) < 1 or int(s) < 0 or not value > 0:
+            raise ValueError(f"need batch sizes >= 1, lengths >= 0 and positive throughputs, got {(b, s)}: {value}")
+
+
 def table_from_throughput(tokens_per_s: Mapping[tuple[int, int], float]) -> dict[int, int]:
     """{b: s*(b)}: for each batch size b, the length s of highest measured tokens per second
     ``tokens_per_s[(b, s)]`` (ties: the shorter draft)."""
+    _check_throughputs(tokens_per_s)
     table: dict[int, tuple[float, int]] = {}
     for (b, s), value in sorted(tokens_per_s.items()):
-        if int(b) < 1 or int(s) < 0 or not value > 0:
-            raise ValueError(f"need batch sizes >= 1, lengths >= 0 and positive throughputs, got {(b, s)}: {value}")
         if int(b) not in table or value > table[int(b)][0]:
             table[int(b)] = (float(value), int(s))
     return {b: s for b, (_, s) in table.items()}
@@ -103,10 +109,9 @@ def monotone_table(tokens_per_s: Mapping[tuple[int, int], float]) -> dict[int, i
     measured is not chosen; measurements that leave no such table are an error."""
     if not tokens_per_s:
         raise ValueError("monotone_table needs measured throughputs {(batch size, length): tokens/s}, got none")
+    _check_throughputs(tokens_per_s)
     best_of: dict[int, float] = {}
     for (b, s), value in tokens_per_s.items():
-        if int(b) < 1 or int(s) < 0 or not value > 0:
-            raise ValueError(f"need batch sizes >= 1, lengths >= 0 and positive throughputs, got {(b, s)}: {value}")
         best_of[int(b)] = max(best_of.get(int(b), 0.0), float(value))
     sizes = sorted(best_of)
     lengths = sorted({int(s) for _, s in tokens_per_s})

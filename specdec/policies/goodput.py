@@ -111,8 +111,8 @@ PRIOR_ROW_STEPS = 4.0  # learn_prior: what the given prior weighs, in row-steps 
 PRIOR_LENGTH = 4
 PRIOR_DECAY = 0.5  # learn_prior: what an earlier call's counts keep at each new call
 CATCH_UP_HORIZON = 16  # steps a returning row's measured catch-up is spread over (fewer if fewer are left)
-# "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens, until
-# the spread of rows' rates is learnt (RowRateSpread): a Beta prior of sd 0.08 at rate 0.72. At 4,
+# "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens, at the
+# least (RowRateSpread may learn that rows are more alike): a Beta prior of sd 0.08 at rate 0.72. At 4,
 # a first probe's 16 judged tokens per row left the lowest of 54 rows reading a straggler, and
 # "finish" chose k = 0 for 16 steps where k = 4 was best (run 9, continuation b16 and b64); at 16,
 # the rows' posterior samples spread wider than such rows do and k = 0 came back in 9 of 20
@@ -603,7 +603,7 @@ class GoodputPolicy(Policy):
         self._estimator_options = {"mode": estimator, "window": window, "positions": per_position}
         self.learned_prior = LearnedPrior(prior) if learn_prior else None
         # "finish": how much rows' rates differ, learnt from earlier calls' rows (the prior strength
-        # of each row's posterior; FINISH_SHRINK_TRIALS until enough rows are known)
+        # of each row's posterior, never below FINISH_SHRINK_TRIALS: finish_prior_trials)
         self.row_spread = RowRateSpread() if learn_prior and search == "finish" else None
         self._given_prior = float(prior)
         # the EMA of pooled rates learns from each interval's counts at once (StepCounts); the
