@@ -71,9 +71,12 @@ from .harness import agreement, environment, synchronise
 LOOKUP = "prompt lookup"
 # the bandits measured: variant -> (strategy, scope, objective). "joint-finish" (joint scope,
 # objective "finish") ran in runs 7-9 (0.61-0.71 of the best single drafter) and made way for
-# "batch-finish" in run 10, which the time limit of one GPU call left no room to add beside it
+# "batch-finish" in run 10, which the time limit of one GPU call left no room to add beside it.
+# The batch-scope variants play UCB since switches are charged (run 14 on): the epoch schedule's
+# round robin switches at every turn, and on synthetic drafters 3-8% apart with a switch worth 2
+# extra steps it made 0.87x UCB's tokens per second (tests/policies/test_bandit.py's simulation)
 BANDIT_VARIANTS = {"ucb": ("ucb", "request", "step"), "epoch": ("epoch", "request", "step"),
-                   "batch-level": ("epoch", "batch", "step"), "batch-finish": ("epoch", "batch", "finish"),
+                   "batch-level": ("ucb", "batch", "step"), "batch-finish": ("ucb", "batch", "finish"),
                    "joint": ("ucb", "joint", "step")}
 FORMAT = "specdec.bench.policies/1"
 
@@ -758,7 +761,10 @@ def timing_conditions(settings: dict, cpus: list[int] | None) -> str:
     threads = settings.get("timing_threads")
     warmup = settings.get("gpu_warmup_ms", 0.0)
     on_cuda = str(settings.get("device", "")).startswith("cuda")
-    return (f"Timing: {settings.get('repeats', '?')} passes per run, tokens/s from the median pass; "
+    repeats = settings.get("repeats", "?")
+    if isinstance(repeats, list):  # merged parts: one per part
+        repeats = "/".join(map(str, repeats)) + " (by part)"
+    return (f"Timing: {repeats} passes per run, tokens/s from the median pass; "
             f"{'main thread pinned to CPU ' + ','.join(map(str, cpus)) if cpus else 'main thread unpinned'}; "
             f"{str(threads) + ' torch thread(s)' if threads and on_cuda else 'torch threads as they were'}; "
             f"{f'{warmup:g} ms of GPU work before each pass' if warmup and on_cuda else 'no GPU warm-up before a pass'}"
@@ -970,7 +976,9 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
 
 
 # --- merging runs ----------------------------------------------------------------------------
-MERGEABLE = {"batch_sizes", "time_limit_s"}  # settings that may differ between merged parts
+# settings that may differ between merged parts: passes are cheap at batch 16 and 64 (a call of
+# 0.1-0.2 s) and a slow spell of the machine lasts seconds, so those parts may time more of them
+MERGEABLE = {"batch_sizes", "time_limit_s", "repeats"}
 
 
 def _unused_difference(key: str, a: dict, b: dict) -> bool:
@@ -1006,7 +1014,7 @@ def merge(results: list[dict]) -> dict:
         differing += [k for k in ("dtype", "zoo", "drafters", "policy_drafter") if reference.get(k) != other.get(k)]
         if differing:
             raise ValueError(f"cannot merge runs whose settings differ in {differing}: run them with the same options "
-                             "except --batch-sizes and --time-limit-s")
+                             "except --batch-sizes, --time-limit-s and --repeats")
     seen: dict[int, int] = {}
     for i, part in enumerate(results):
         for batch in {r["batch"] for r in part["rows"]}:
@@ -1015,7 +1023,8 @@ def merge(results: list[dict]) -> dict:
             seen[batch] = i
     merged = {**first, "settings": dict(reference["settings"]), "timings": {}, "rows": [], "skipped": []}
     merged["settings"]["batch_sizes"] = sorted(seen)
-    merged["settings"]["time_limit_s"] = [part["settings"].get("time_limit_s") for part in results]  # one per part
+    for key in ("time_limit_s", "repeats"):  # one per part
+        merged["settings"][key] = [part["settings"].get(key) for part in results]
     merged["parts"] = [{"environment": part["environment"], "batch_sizes": part["settings"]["batch_sizes"],
                         "timings": part.get("timings", {}), "cost_model": part.get("cost_model"),
                         "tau_profile": part.get("tau_profile")} for part in results]

@@ -27,7 +27,11 @@ drafter switched in first reads every token it missed (the prompt, in a call's f
 that step cost 3-4 times an ordinary one on the H200, and with every exploratory pull such a
 step the model drafters' mean rewards read a third of their worth, so the batch-level bandit
 of run 10 and 11 settled on prompt lookup (56k against 27k tokens per second learnt at batch 64,
-where the model drafter was the faster by 1.4x).
+where the model drafter was the faster by 1.4x). Batch scope also prices a switch
+(``SwitchCosts``, measured times): a drafter other than the one being played is weighed by the
+share of its reward that survives its catch-up over the hold, so drafters within the noise of
+each other are not swapped at 2-3 steps' price each time (run 13 at batch 16: 6-9 ms catch-ups
+against 2.2-3 ms steps, between drafters 10% apart per step).
 
 Strategies (``BanditState``, vectorised over independent bandits):
 - "ucb": UCB1 (Auer et al. 2002): untried arms first, then argmax mean + c * sqrt(ln t / n),
@@ -163,13 +167,19 @@ class BanditState:
         spread = self.spread(0.5 * self._scale() if half_range is None else half_range)
         return self.exploration * spread * np.sqrt(log_t / np.maximum(self.counts, 1))
 
-    def choose(self) -> np.ndarray:
-        """[N] the arm each bandit plays next."""
+    def choose(self, mean_worth: np.ndarray | None = None, radius_worth: np.ndarray | None = None) -> np.ndarray:
+        """[N] the arm each bandit plays next. mean_worth, radius_worth: [N, A] the share of each
+        arm's mean reward and of its confidence radius that a switch to it keeps once its price
+        is paid (1 for the arm being played; ``SwitchCosts.worth``): a switch to exploit is paid
+        over the rest of the call, one to explore over the steps it is held. Untried arms still first."""
         untried = self.counts == 0
+        shape = self.counts.shape
+        mean_worth = np.ones(shape) if mean_worth is None else np.broadcast_to(mean_worth, shape)
+        radius_worth = mean_worth if radius_worth is None else np.broadcast_to(radius_worth, shape)
+        means, radius = self.means() * mean_worth, self._radius() * radius_worth
         if self.strategy == "ucb":
-            index = np.where(untried, np.inf, self.means() + self._radius())
-            return np.argmax(index, axis=1)
-        return self._choose_epoch(untried)
+            return np.argmax(np.where(untried, np.inf, means + radius), axis=1)
+        return self._choose_epoch(untried, means, radius)
 
     def _epoch_position(self) -> tuple[np.ndarray, np.ndarray]:
         """[N] slot within the current epoch and that epoch's length; epoch e spans
@@ -179,10 +189,9 @@ class BanditState:
         start = self.epoch_length * (2 ** epoch - 1)
         return slot - start, self.epoch_length * 2 ** epoch
 
-    def _choose_epoch(self, untried: np.ndarray) -> np.ndarray:
+    def _choose_epoch(self, untried: np.ndarray, means: np.ndarray, radius: np.ndarray) -> np.ndarray:
         position, length = self._epoch_position()
         self._exploring |= position == 0  # an epoch starts with exploration
-        means, radius = self.means(), self._radius()
         best_mean = np.max(np.where(untried, -np.inf, means), axis=1, keepdims=True)  # [N, 1]
         candidate = untried | (means + radius >= best_mean)  # [N, A]
         self._exploring &= (candidate.sum(axis=1) > 1) & (position < self.max_explore_fraction * length)
@@ -297,6 +306,54 @@ class StepTimeAverages:
         self._ran_this_call |= ran
 
 
+class SwitchCosts:
+    """Batch scope's price of a switch, learnt from measured step wall times: per drafter, an
+    exponential moving average (``decay`` old) of its clean steps (played the step before too)
+    and of its switch steps' excess over a clean step, as a multiple of that clean step (the
+    catch-up on the tokens it missed; a model drafter's first step of a call reads the prompts,
+    the same work). In multiples, a price learnt on a full batch holds for the call's tail.
+
+    ``worth`` turns the prices into the share of its reward a switch keeps over the steps it is
+    played: S / (S + x_d) for a drafter whose switch costs x_d clean steps; 1 for the drafter
+    being played and for one whose price is not known yet. BanditPolicy weighs a drafter's mean
+    by it over the fewest steps the call has left (a switch to exploit lasts the call) and its
+    confidence radius over ``hold_steps`` (a switch to explore may last no longer). On the H200
+    a switch cost 6-9 ms against 2.2-3 ms steps (run 13, batch 16): a drafter explored for 4
+    steps kept about 60% of its worth, and a bandit that ignored it switched every few steps
+    between drafters whose per-step rewards were within 10% of each other."""
+
+    def __init__(self, num_drafters: int, decay: float = 0.8):
+        self.decay = decay
+        self.step_s = np.full(num_drafters, np.nan)  # [D] a clean step's seconds
+        self.excess = np.full(num_drafters, np.nan)  # [D] a switch step's extra seconds over a clean one, in clean steps
+        self._last_clean_s = math.nan  # the latest clean step, whichever drafter
+
+    @property
+    def num_drafters(self) -> int:
+        return len(self.step_s)
+
+    def _average(self, values: np.ndarray, index: int, sample: float) -> None:
+        old = values[index]
+        values[index] = sample if np.isnan(old) else self.decay * old + (1.0 - self.decay) * sample
+
+    def observe(self, drafter: int, seconds: float, switched: bool) -> None:
+        """One step on ``drafter`` took ``seconds``; ``switched``: it was not played the step before."""
+        if not switched:
+            self._average(self.step_s, drafter, seconds)
+            self._last_clean_s = seconds
+            return
+        clean = self.step_s[drafter] if np.isfinite(self.step_s[drafter]) else self._last_clean_s
+        if np.isfinite(clean) and clean > 0:
+            self._average(self.excess, drafter, max(seconds / clean - 1.0, 0.0))
+
+    def worth(self, current: int, steps: float) -> np.ndarray:
+        """[D] share of its reward each drafter keeps when a switch to it is played ``steps`` steps."""
+        excess = np.where(np.isfinite(self.excess), self.excess, 0.0)  # [D]
+        worth = steps / (steps + excess)
+        worth[current] = 1.0
+        return worth
+
+
 @functools.cache
 def drafter_subsets(num_drafters: int) -> np.ndarray:
     """[S, D] every non-empty subset of the drafters as a mask, S = 2^D - 1: smaller subsets
@@ -334,7 +391,7 @@ class BanditPolicy(Policy):
     def __init__(self, num_draft_tokens: int = 4, strategy: str = "ucb", scope: str = "request",
                  cost_model: CostModel | None = None, exploration: float | None = None, epoch_length: int = 8,
                  max_explore_fraction: float = 0.5, warm_start: int = 2, objective: str = "step",
-                 confidence: str = "variance", hold_steps: int | None = None):
+                 confidence: str = "variance", hold_steps: int | None = None, charge_switches: bool = True):
         """num_draft_tokens: every row's draft length; strategy: "ucb" or "epoch" ("ucb" only for
         joint scope); scope: "request" (one bandit per row), "batch" (one drafter for the whole
         batch per step) or "joint" (one bandit per row, the rows' drafters chosen together so
@@ -357,7 +414,10 @@ class BanditPolicy(Policy):
         switch again, learning from all but the first (the catch-up); default 2 for request
         scope, 4 for batch scope, where every switch makes the whole batch catch up (6-8 ms
         against a 2.2-2.8 ms step at batch 64, run 12), so an exploratory pull is worth three
-        clean steps rather than one."""
+        clean steps rather than one; charge_switches (batch scope, measured times): weigh a drafter
+        the batch would switch to by the share of its reward its switch keeps (``SwitchCosts``:
+        its catch-up, learnt from measured steps), so that drafters within the noise of each other
+        are not switched between at a catch-up's price every few steps."""
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
             raise ValueError(f"BanditPolicy's num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if strategy not in STRATEGIES:
@@ -376,6 +436,10 @@ class BanditPolicy(Policy):
         if isinstance(hold_steps, bool) or not isinstance(hold_steps, (int, np.integer)) or hold_steps < 2:
             raise ValueError(f"hold_steps must be an integer >= 2 (a switch's catch-up, then a step to learn from), got {hold_steps!r}")
         self.hold_steps = int(hold_steps)
+        if not isinstance(charge_switches, bool):
+            raise ValueError(f"charge_switches must be True or False, got {charge_switches!r}")
+        self.charge_switches = charge_switches
+        self.switch_costs: SwitchCosts | None = None  # batch scope: kept across calls
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if exploration is None:
@@ -413,6 +477,9 @@ class BanditPolicy(Policy):
             self.bandits = BanditState(batch.num_rows if per_row else 1, num_drafters, **self._options)
             if per_row:
                 self._seed_from_population(num_drafters)
+        if self.scope == "batch" and self.charge_switches and (self.switch_costs is None
+                                                              or self.switch_costs.num_drafters != num_drafters):
+            self.switch_costs = SwitchCosts(num_drafters)
         if self.scope == "joint" and (self.step_times is None or self.step_times.num_drafters != num_drafters):
             self.step_times = StepTimeAverages(num_drafters)
         if self.scope == "joint" and batch is not self._batch:
@@ -427,7 +494,14 @@ class BanditPolicy(Policy):
         if self.scope == "joint":
             arms = self._choose_jointly(batch)
         else:  # a switch is held for hold_steps steps, its first not rewarded (it reads what the drafter missed)
-            arms = np.where(self._hold_left > 0, self._previous, self.bandits.choose())  # [N]
+            worth = {}
+            if self.switch_costs is not None and self._previous[0] >= 0:  # a call's first step switches anyway
+                current = int(self._previous[0])
+                # the fewest steps the call has left: every active row emitting k + 1 tokens a step
+                steps_left = max(self.hold_steps, int(batch.remaining.max()) / (self.num_draft_tokens + 1))
+                worth = {"mean_worth": self.switch_costs.worth(current, steps_left)[None, :],  # [1, D]
+                         "radius_worth": self.switch_costs.worth(current, self.hold_steps)[None, :]}
+            arms = np.where(self._hold_left > 0, self._previous, self.bandits.choose(**worth))  # [N]
             self._switching = arms != self._previous
             self._hold_left = np.where(self._switching, self.hold_steps - 1, np.maximum(self._hold_left - 1, 0))
             self._previous = arms
@@ -489,7 +563,11 @@ class BanditPolicy(Policy):
             arms = self._arms[rows]  # [A]
             caught_up = np.isin(arms, arms[self._switching[rows]])  # [A]
             self._observe_rows(rows, np.where(caught_up, np.nan, rewards))
-        elif not self._switching[0] and np.any(self._asked[rows] > 0):  # a step nobody drafted in says nothing
+            return
+        drafting = np.any(self._asked[rows] > 0)  # a step nobody drafted in says nothing
+        if self.switch_costs is not None and drafting and self.cost_model is None and record.step_time_s:
+            self.switch_costs.observe(int(self._arms[0]), float(record.step_time_s), bool(self._switching[0]))
+        if not self._switching[0] and drafting:
             # the step's wall time when measured: a model drafter's charged host time also holds its
             # wait for the GPU, so verify + drafter charges read a model drafter's step 1.5x too long
             measured = self.cost_model is None and record.step_time_s
@@ -531,4 +609,5 @@ class BanditPolicy(Policy):
     def __repr__(self) -> str:
         objective = f", objective={self.objective!r}" if self.scope != "request" else ""
         return (f"BanditPolicy(num_draft_tokens={self.num_draft_tokens}, strategy={self.strategy!r}, scope={self.scope!r}"
-                f"{objective}, confidence={self._options['confidence']!r}, hold_steps={self.hold_steps})")
+                f"{objective}, confidence={self._options['confidence']!r}, hold_steps={self.hold_steps}"
+                + (", charge_switches=False" if self.scope == "batch" and not self.charge_switches else "") + ")")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from specdec.__main__ import main
-from specdec.bench.policies import kind_oracle_bound, markdown, merge, policy_targets
+from specdec.bench.policies import kind_oracle_bound, markdown, merge, policy_targets, timing_conditions
 from specdec.policies import CostModel, FixedPolicy
 
 
@@ -136,7 +136,12 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
     merged = merge([json.loads(parts[i].read_text()) for i in (1, 0)])
     assert merged["settings"]["history_prompts"] == history  # from the part that used it
     parts.pop()
-    other["settings"] = {**other["settings"], "history_prompts": history, "max_new_tokens": 99}
+    # cheap passes may be timed more often in one part: repeats are recorded per part
+    other["settings"] = {**other["settings"], "history_prompts": history, "repeats": 9}
+    merged = merge([json.loads(p.read_text()) for p in parts[:1]] + [other])
+    assert merged["settings"]["repeats"] == [whole["settings"]["repeats"], 9]
+    assert f"Timing: {whole['settings']['repeats']}/9 (by part) passes per run" in timing_conditions(merged["settings"], None)
+    other["settings"] = {**other["settings"], "repeats": whole["settings"]["repeats"], "max_new_tokens": 99}
     parts[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match=r"settings differ in \['max_new_tokens'\]"):
         main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path)])
