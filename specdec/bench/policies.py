@@ -978,7 +978,7 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
 # --- merging runs ----------------------------------------------------------------------------
 # settings that may differ between merged parts: passes are cheap at batch 16 and 64 (a call of
 # 0.1-0.2 s) and a slow spell of the machine lasts seconds, so those parts may time more of them
-MERGEABLE = {"batch_sizes", "time_limit_s", "repeats"}
+MERGEABLE = {"batch_sizes", "time_limit_s", "repeats", "workloads"}
 
 
 def _unused_difference(key: str, a: dict, b: dict) -> bool:
@@ -993,9 +993,10 @@ def _unused_difference(key: str, a: dict, b: dict) -> bool:
 
 
 def merge(results: list[dict]) -> dict:
-    """Runs of the same experiment over different batch sizes (one GPU call each) -> one result:
-    rows and skipped runs concatenated, targets recomputed over all of them. Every part must have
-    the same settings but ``MERGEABLE`` and hold different batch sizes; the first part's cost
+    """Runs of the same experiment over different batch sizes or workloads (one GPU call each) ->
+    one result: rows and skipped runs concatenated (less the runs another part measured), targets
+    recomputed over all of them. Every part must have the same settings but ``MERGEABLE`` and hold
+    different (batch size, workload) cells; the first part's cost
     model and tau profile head the report and every part's are kept under ``parts``."""
     if len(results) < 2:
         raise ValueError("merge needs at least two results")
@@ -1014,15 +1015,18 @@ def merge(results: list[dict]) -> dict:
         differing += [k for k in ("dtype", "zoo", "drafters", "policy_drafter") if reference.get(k) != other.get(k)]
         if differing:
             raise ValueError(f"cannot merge runs whose settings differ in {differing}: run them with the same options "
-                             "except --batch-sizes, --time-limit-s and --repeats")
-    seen: dict[int, int] = {}
+                             "except --batch-sizes, --workloads, --time-limit-s and --repeats")
+    seen: dict[tuple[int, str], int] = {}  # (batch, workload) -> the part that measured it
     for i, part in enumerate(results):
-        for batch in {r["batch"] for r in part["rows"]}:
-            if batch in seen:
-                raise ValueError(f"parts {seen[batch]} and {i} both measured batch {batch}: merge runs of different batch sizes")
-            seen[batch] = i
+        for cell in {(r["batch"], r["workload"]) for r in part["rows"]}:
+            if cell in seen:
+                raise ValueError(f"parts {seen[cell]} and {i} both measured batch {cell[0]} of workload {cell[1]!r}: "
+                                 "merge runs of different batch sizes or workloads")
+            seen[cell] = i
     merged = {**first, "settings": dict(reference["settings"]), "timings": {}, "rows": [], "skipped": []}
-    merged["settings"]["batch_sizes"] = sorted(seen)
+    merged["settings"]["batch_sizes"] = sorted({batch for batch, _ in seen})
+    merged["settings"]["workloads"] = list(dict.fromkeys(w for part in results for w in part["settings"].get("workloads", ())))
+    merged["workloads"] = {name: summary for part in results for name, summary in part.get("workloads", {}).items()}
     for key in ("time_limit_s", "repeats"):  # one per part
         merged["settings"][key] = [part["settings"].get(key) for part in results]
     merged["parts"] = [{"environment": part["environment"], "batch_sizes": part["settings"]["batch_sizes"],
@@ -1030,7 +1034,8 @@ def merge(results: list[dict]) -> dict:
                         "tau_profile": part.get("tau_profile")} for part in results]
     for part in results:
         merged["rows"] += part["rows"]
-        merged["skipped"] += part.get("skipped", [])
+        # a run one part skipped (its time limit) and another measured is not skipped
+        merged["skipped"] += [run for run in part.get("skipped", []) if (run["batch"], run["workload"]) not in seen]
         for key, value in part.get("timings", {}).items():
             merged["timings"][key] = merged["timings"].get(key, 0.0) + value
     merged["targets"] = policy_targets(merged)

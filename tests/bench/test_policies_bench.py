@@ -147,6 +147,26 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
         main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path)])
 
 
+def test_a_workload_a_part_skipped_merges_from_another_part(quick_run, tmp_path):
+    """A part whose time limit skipped one workload at a batch size, and a part that measured
+    just that workload there (``--workloads``): the merge holds every row once, and nothing
+    skipped."""
+    whole = json.loads(quick_run.read_text())
+    last = whole["rows"][-1]["workload"]
+    cell = lambda r: r["batch"] == 1 and r["workload"] == last
+    first = {**whole, "rows": [r for r in whole["rows"] if not cell(r)],
+             "skipped": [{"workload": r["workload"], "batch": r["batch"], "method": r["method"]}
+                         for r in whole["rows"] if cell(r)]}
+    second = {**whole, "settings": {**whole["settings"], "batch_sizes": [1], "workloads": [last]},
+              "rows": [r for r in whole["rows"] if cell(r)], "skipped": []}
+    merged = merge([first, second])
+    assert sorted(map(json.dumps, merged["rows"])) == sorted(map(json.dumps, whole["rows"]))
+    assert merged["skipped"] == [] and merged["targets"] == policy_targets(whole)
+    assert merged["settings"]["workloads"] == whole["settings"]["workloads"]
+    with pytest.raises(ValueError, match=f"both measured batch 1 of workload '{last}'"):
+        merge([whole, second])
+
+
 def test_the_notebook_draws_a_results_file(quick_run, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the [test] extras")
     client = pytest.importorskip("nbclient", reason="the notebook tests need the [test] extras").NotebookClient
