@@ -29,7 +29,8 @@ step the model drafters' mean rewards read a third of their worth, so the batch-
 of run 10 and 11 settled on prompt lookup (56k against 27k tokens per second learnt at batch 64,
 where the model drafter was the faster by 1.4x). Batch scope also prices a switch
 (``SwitchCosts``, measured times): a drafter other than the one being played is weighed by the
-share of its reward that survives its catch-up over the hold, so drafters within the noise of
+share of its reward that survives its catch-up (its mean over the steps the call has left, its
+confidence radius over the hold), so drafters within the noise of
 each other are not swapped at 2-3 steps' price each time (run 13 at batch 16: 6-9 ms catch-ups
 against 2.2-3 ms steps, between drafters 10% apart per step).
 
