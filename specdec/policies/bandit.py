@@ -490,7 +490,8 @@ class BanditPolicy(Policy):
             self._switching = np.zeros(self.bandits.counts.shape[0], dtype=bool)  # [N] whether that step was a switch
             self._hold_left = np.zeros(self.bandits.counts.shape[0], dtype=np.int64)  # [N] steps the arm is still held for
         self._batch = batch
-        self._asked = np.minimum(self.num_draft_tokens, np.maximum(batch.remaining - 1, 0))
+        self._remaining = batch.remaining  # [B] (computed by BatchState on each read)
+        self._asked = np.minimum(self.num_draft_tokens, np.maximum(self._remaining - 1, 0))
         self._lengths = batch.lengths.copy()
         if self.scope == "joint":
             arms = self._choose_jointly(batch)
@@ -499,7 +500,7 @@ class BanditPolicy(Policy):
             if self.switch_costs is not None and self._previous[0] >= 0:  # a call's first step switches anyway
                 current = int(self._previous[0])
                 # the fewest steps the call has left: every active row emitting k + 1 tokens a step
-                steps_left = max(self.hold_steps, int(batch.remaining.max()) / (self.num_draft_tokens + 1))
+                steps_left = max(self.hold_steps, int(self._remaining.max()) / (self.num_draft_tokens + 1))
                 worth = {"mean_worth": self.switch_costs.worth(current, steps_left)[None, :],  # [1, D]
                          "radius_worth": self.switch_costs.worth(current, self.hold_steps)[None, :]}
             arms = np.where(self._hold_left > 0, self._previous, self.bandits.choose(**worth))  # [N]
@@ -516,7 +517,7 @@ class BanditPolicy(Policy):
         arms = np.zeros(batch.num_rows, dtype=np.int64)
         if len(drafting):
             upper = self.bandits.upper_bounds(self.num_draft_tokens + 1)[drafting]  # [A, D]
-            remaining = batch.remaining[drafting] if self.objective == "finish" else None
+            remaining = self._remaining[drafting] if self.objective == "finish" else None
             _, arms[drafting] = choose_joint(upper, *self._predicted_times(active, drafting), remaining=remaining)
         return arms
 
