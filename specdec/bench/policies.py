@@ -108,7 +108,9 @@ class PolicyBenchSettings:
     goodput_decide_every: int = 16  # steps between GoodputPolicy's decisions
     bandit_times: str = "measured"  # "measured" (CUDA events) or "model" (the cost model's predictions)
     profile_grid: str = "default"  # "default" or "tiny"
-    profile_prompts: int = 16  # held-out requests per workload for BatchAdaptivePolicy's tau profile
+    # held-out requests per workload for the tau profile at each batch size below the largest; the
+    # largest batch size profiles as many distinct requests as its rows (its slowest row sets a call's length)
+    profile_prompts: int = 16
     # the profile's new tokens per request, as many as the runs decode: greedy text grows more
     # predictable as it goes on, so a shorter profile reads a lower tau and favours shorter drafts
     # (at 32, run 4: tau 2.8-3.1 at k=4 against 3.8-4.1 in the 128-token runs; at 64, run 12:
@@ -120,8 +122,11 @@ class PolicyBenchSettings:
     # held-out requests each learning policy (GoodputPolicy, BanditPolicy) serves, untimed, before
     # its timed passes, which each start from a copy of what it learnt (a policy in service has a
     # past; fresh, the bandits spent the whole of a batch-64 call exploring, runs 4-9): at batch B,
-    # max(B, history_prompts) in calls of B; at batch 1, batch1_prompts; 0: every pass starts fresh
+    # max(history_calls x B, history_prompts) in calls of B; at batch 1, batch1_prompts; 0: every
+    # pass starts fresh. With one call at batch 16 and 64 (runs 10-14) the batch-scope bandits
+    # explored a model drafter for one visit of 3 steps and never again
     history_prompts: int = 16
+    history_calls: int = 4
     repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
     time_limit_s: float | None = None  # no cell (batch size, workload) starts after this many seconds
     pin_cpu: bool = False  # timed passes with the main thread on one core of the GPU's NUMA node (bench.affinity)
@@ -290,7 +295,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     workloads = generator.standard(count, settings.workloads, mixed_fraction=settings.mixed_fraction)
     # every held-out request of the profile at every batch size, in calls of at most the largest
     # batch size (run 4's batch-1 part profiled one request: its tau said 2.1 where runs got 3.9)
-    profile_rows = max(1, settings.profile_prompts)
+    profile_rows = max(1, settings.profile_prompts, max(settings.batch_sizes))
     held_out = generator.standard(profile_rows, settings.workloads, offset=count, mixed_fraction=settings.mixed_fraction)
     # the learning policies' past: more held-out requests, after the profile's
     history_rows = max(history_size(settings, b) for b in batch_sizes)
@@ -373,7 +378,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
             policy = BatchAdaptivePolicy.from_measurements(
                 target, drafters[policy_drafter], held_out[name].prompts(), batch_sizes=sorted(set(batch_sizes)),
                 draft_lengths=sorted({0, 1, 2, 3, 4, 6, settings.max_draft_tokens}), max_new_tokens=settings.tau_profile_tokens,
-                repeats=settings.tau_profile_repeats, **options)
+                repeats=settings.tau_profile_repeats, requests_per_size=max(1, settings.profile_prompts), **options)
             tables[name], priors[name] = policy.table, rate_from_expected_tokens(expected)
             result["tau_profile"][name] = {"expected_tokens": {str(k): v for k, v in expected.items()},
                                            "acceptance_rate": priors[name], "context_len": context,
@@ -437,7 +442,7 @@ def history_size(settings: PolicyBenchSettings, batch: int) -> int:
     """Held-out requests a learning policy serves before its timed passes at this batch size."""
     if settings.history_prompts <= 0:
         return 0
-    return settings.batch1_prompts if batch == 1 else max(batch, settings.history_prompts)
+    return settings.batch1_prompts if batch == 1 else max(settings.history_calls * batch, settings.history_prompts)
 
 
 def timing_threads(settings: PolicyBenchSettings) -> int | None:
@@ -776,8 +781,10 @@ def history_conditions(settings: dict) -> str:
     history = settings.get("history_prompts", 0)
     if not history:
         return "every pass of a learning policy started from a fresh policy"
+    calls = settings.get("history_calls", 1)
+    size = "B" if calls == 1 else f"{calls}B"
     return (f"every pass of a learning policy (GoodputPolicy, BanditPolicy) started from its state after serving "
-            f"max(B, {history}) held-out requests at batch B ({settings.get('batch1_prompts', '?')} at batch 1), untimed")
+            f"max({size}, {history}) held-out requests at batch B ({settings.get('batch1_prompts', '?')} at batch 1), untimed")
 
 
 def markdown(result: dict) -> str:
@@ -983,10 +990,10 @@ MERGEABLE = {"batch_sizes", "time_limit_s", "repeats", "workloads"}
 
 def _unused_difference(key: str, a: dict, b: dict) -> bool:
     """Whether settings ``a`` and ``b`` differ in ``key`` only where neither part used it:
-    ``history_prompts`` sizes the history at batch sizes above 1 alone (batch 1 serves
-    batch1_prompts), so a part that measured batch 1 alone may differ from another in it, as
-    long as neither started fresh (0)."""
-    if key == "history_prompts":
+    ``history_prompts`` and ``history_calls`` size the history at batch sizes above 1 alone
+    (batch 1 serves batch1_prompts), so a part that measured batch 1 alone may differ from
+    another in them, as long as neither started fresh (0)."""
+    if key in ("history_prompts", "history_calls"):
         only_batch_1 = list(a.get("batch_sizes", ())) == [1] or list(b.get("batch_sizes", ())) == [1]
         return only_batch_1 and bool(a.get(key)) and bool(b.get(key))
     return False
@@ -1078,6 +1085,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--history-prompts", type=int, default=d.history_prompts,
                    help="held-out requests each learning policy serves before its timed passes (at batch B: at "
                         "least B; at batch 1: --batch1-prompts); 0: every pass starts fresh; --quick: 4")
+    p.add_argument("--history-calls", type=int, default=d.history_calls,
+                   help="at batch B > 1 the history holds at least this many calls of B requests")
     p.add_argument("--tau-profile-tokens", type=int, default=d.tau_profile_tokens,
                    help="new tokens per request of the tau profile (GoodputPolicy's prior, BatchAdaptivePolicy's table)")
     p.add_argument("--profile-repeats", dest="tau_profile_repeats", type=int, default=d.tau_profile_repeats,
@@ -1112,9 +1121,10 @@ def settings_from(args) -> PolicyBenchSettings:
         bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed,
         repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats,
         tau_profile_tokens=args.tau_profile_tokens, timing_threads=args.timing_threads or None,
-        gpu_warmup_ms=args.gpu_warmup_ms, history_prompts=args.history_prompts)
-    if settings.history_prompts < 0:
-        raise SystemExit(f"--history-prompts must be >= 0 (0: no history), got {settings.history_prompts}")
+        gpu_warmup_ms=args.gpu_warmup_ms, history_prompts=args.history_prompts, history_calls=args.history_calls)
+    if settings.history_prompts < 0 or settings.history_calls < 1:
+        raise SystemExit(f"--history-prompts must be >= 0 (0: no history) and --history-calls >= 1, got "
+                         f"{settings.history_prompts} and {settings.history_calls}")
     if (args.timing_threads or 0) < 0 or args.gpu_warmup_ms < 0:
         raise SystemExit(f"--timing-threads and --gpu-warmup-ms must be >= 0, got {args.timing_threads} and {args.gpu_warmup_ms}")
     if settings.repeats < 1:
@@ -1126,7 +1136,8 @@ def settings_from(args) -> PolicyBenchSettings:
         defaults = parser().parse_args([])
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
                  "num_model_drafters": 1, "profile_grid": "tiny", "repeats": 1,
-                 "prompt_tokens": 128, "tau_profile_repeats": 1, "tau_profile_tokens": 32, "history_prompts": 4}
+                 "prompt_tokens": 128, "tau_profile_repeats": 1, "tau_profile_tokens": 32, "history_prompts": 4,
+                 "history_calls": 1}
         chosen = {k: v for k, v in quick.items() if getattr(args, k) == getattr(defaults, k)}
         settings = replace(settings, **chosen, profile_prompts=4, max_new_tokens=min(settings.max_new_tokens, 32))
     unknown = set(settings.workloads) - set(STANDARD)

@@ -181,7 +181,8 @@ def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[in
 
 
 def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], draft_lengths: Sequence[int],
-                        max_new_tokens: int = 32, repeats: int = 1, **generate_options
+                        max_new_tokens: int = 32, repeats: int = 1, requests_per_size: int | None = None,
+                        **generate_options
                         ) -> tuple[dict[int, float], dict[tuple[int, int], float], dict[tuple[int, int], float]]:
     """A short measured profile, no model in between: for every batch size b and length s,
     generate() with FixedPolicy(s) on every one of ``prompts`` in calls of b (one call of b
@@ -189,7 +190,12 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
     batch size thus still measures many requests, not one request's luck. With ``repeats`` > 1
     every length is measured that many times, the lengths taken in turn within each round (a
     slow spell of the machine then falls on one round of every length, not on all of one
-    length's), and a length's time is the median over its rounds.
+    length's), and a length's time is the median over its rounds. ``requests_per_size``: batch
+    size b measures only the first max(b, requests_per_size) prompts (None: all of them), so a
+    profile given as many distinct prompts as its largest batch does not time many calls at
+    the small ones. A call of b rows should hold b distinct requests: its slowest row sets its
+    length, and 16 requests cycled over 64 rows (run 14, continuation) put k = 8 first where
+    k = 2 was best on 64 distinct requests (1.26x k = 8's tokens per second).
 
     -> (l(s): tau pooled over every call, {(b, s): measured seconds per decoding step, the
     median over rounds of each round's pooled calls}, {(b, s): measured tokens per second of
@@ -203,13 +209,17 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
 
     if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1 (measured rounds per length), got {repeats!r}")
-    prompts = list(prompts)
+    if requests_per_size is not None and (isinstance(requests_per_size, bool) or not isinstance(requests_per_size, (int, np.integer))
+                                          or requests_per_size < 1):
+        raise ValueError(f"requests_per_size must be an integer >= 1 or None, got {requests_per_size!r}")
+    all_prompts = list(prompts)
     emitted: dict[int, float] = {}
     row_steps: dict[int, float] = {}
     rounds: dict[tuple[int, int], list[float]] = {}
     throughput_rounds: dict[tuple[int, int], list[float]] = {}
     for b in batch_sizes:
         b = int(b)
+        prompts = all_prompts if requests_per_size is None else all_prompts[: max(b, int(requests_per_size))]
         if b >= len(prompts):
             calls = [[prompts[i % len(prompts)] for i in range(b)]]
         else:
@@ -271,7 +281,8 @@ class BatchAdaptivePolicy(Policy):
     def from_measurements(cls, target, drafter, prompts, batch_sizes: Sequence[int] = (1, 4, 16, 64),
                           draft_lengths: Sequence[int] = (0, 1, 2, 3, 4, 6, 8), max_new_tokens: int = 32,
                           drafter_index: int = 0, repeats: int = 1, objective: str = "calls",
-                          monotone: bool = True, **generate_options) -> BatchAdaptivePolicy:
+                          monotone: bool = True, requests_per_size: int | None = None,
+                          **generate_options) -> BatchAdaptivePolicy:
         """The table from a measured profile (``measure_round_times``, ``repeats`` rounds per
         length) rather than a fitted cost model: what the paper's short profile before serving
         does. By default (``objective="calls"``) each batch size gets the length of highest
@@ -282,11 +293,13 @@ class BatchAdaptivePolicy(Policy):
         batch size, the best such choice by relative throughput (monotone_table), so one odd
         measurement at a batch size does not stand against its neighbours'. Lookups between the measured batch sizes take the nearest
         one on a log scale, as always (so the tail of a 64-row call, once fewer rows are active,
-        uses entries measured on whole calls of fewer rows)."""
+        uses entries measured on whole calls of fewer rows). requests_per_size: as for
+        ``measure_round_times``."""
         if objective not in ("calls", "steps"):
             raise ValueError(f"objective must be 'calls' or 'steps', got {objective!r}")
         expected, seconds, tokens_per_s = measure_round_times(target, drafter, prompts, batch_sizes, draft_lengths,
-                                                              max_new_tokens, repeats=repeats, **generate_options)
+                                                              max_new_tokens, repeats=repeats,
+                                                              requests_per_size=requests_per_size, **generate_options)
         if objective == "calls":
             table = monotone_table(tokens_per_s) if monotone else table_from_throughput(tokens_per_s)
         else:

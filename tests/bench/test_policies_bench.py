@@ -314,6 +314,22 @@ def test_the_timing_condition_options_reach_the_settings():
             settings_from(parser().parse_args([option, "-1"]))
 
 
+def test_the_history_holds_several_calls_at_each_batch_size():
+    """At batch B > 1 the history is max(history_calls x B, history_prompts) held-out requests
+    (4 calls by default: one call at batch 64 left the batch-scope bandits a visit or two per
+    drafter); batch 1 serves batch1_prompts; --history-calls below 1 is refused."""
+    from specdec.bench.policies import history_size, parser, settings_from
+
+    default = settings_from(parser().parse_args([]))
+    assert default.history_calls == 4
+    assert [history_size(default, b) for b in (1, 4, 16, 64)] == [default.batch1_prompts, 16, 64, 256]
+    one = settings_from(parser().parse_args(["--history-calls", "1", "--history-prompts", "8"]))
+    assert [history_size(one, b) for b in (4, 16)] == [8, 16]
+    assert history_size(settings_from(parser().parse_args(["--history-prompts", "0"])), 16) == 0
+    with pytest.raises(SystemExit, match="--history-calls >= 1"):
+        settings_from(parser().parse_args(["--history-calls", "0"]))
+
+
 class CallCountingPolicy(FixedPolicy):
     """A FixedPolicy that counts the generate() calls it served; the log holds, per call, the
     count including that call (a copy carries its original's count)."""

@@ -336,3 +336,28 @@ def test_monotone_table_outvotes_one_odd_measurement():
             monotone_table(unusable)
     with pytest.raises(ValueError, match="got none"):
         monotone_table({})
+
+
+def test_measured_rounds_take_distinct_requests_up_to_each_batch_size(monkeypatch):
+    """requests_per_size=2 with 8 prompts: batch 1 and 2 measure the first 2 prompts (2 calls
+    and 1 call), batch 8 all 8 distinct prompts in one call, not 2 of them cycled; a bad value
+    is refused."""
+    import sys
+
+    from specdec.policies.batch_adaptive import measure_round_times
+
+    calls = []
+
+    def fake_generate(target, prompts, drafter=None, policy=None, max_new_tokens=0, **_):
+        calls.append([p[0] for p in prompts])
+        requests = [SimpleNamespace(emitted=4, steps=4) for _ in prompts]
+        return SimpleNamespace(stats=fake_stats(requests, wall_time_s=1.0, prefill_time_s=0.0, steps=4))
+
+    monkeypatch.setattr(sys.modules["specdec.generate"], "generate", fake_generate)
+    prompts = [[i, 0] for i in range(8)]
+    measure_round_times(None, object(), prompts, batch_sizes=(1, 2, 8), draft_lengths=(0,), max_new_tokens=4,
+                        requests_per_size=2)
+    assert calls == [[0], [1], [0, 1], list(range(8))]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="requests_per_size"):
+            measure_round_times(None, object(), prompts, batch_sizes=(1,), draft_lengths=(0,), requests_per_size=bad)
