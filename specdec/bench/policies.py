@@ -74,10 +74,11 @@ LOOKUP = "prompt lookup"
 # "batch-finish" in run 10, which the time limit of one GPU call left no room to add beside it.
 # The batch-scope variants play UCB since switches are charged (run 14 on): the epoch schedule's
 # round robin switches at every turn, and on synthetic drafters 3-8% apart with a switch worth 2
-# extra steps it made 0.87x UCB's tokens per second (tests/policies/test_bandit.py's simulation)
+# extra steps it made 0.87x UCB's tokens per second (tests/policies/test_bandit.py's simulation).
+# "batch-call" (run 16 on) plays one drafter per call, rewarded by the whole call
 BANDIT_VARIANTS = {"ucb": ("ucb", "request", "step"), "epoch": ("epoch", "request", "step"),
                    "batch-level": ("ucb", "batch", "step"), "batch-finish": ("ucb", "batch", "finish"),
-                   "joint": ("ucb", "joint", "step")}
+                   "batch-call": ("ucb", "batch", "call"), "joint": ("ucb", "joint", "step")}
 FORMAT = "specdec.bench.policies/1"
 
 
@@ -139,7 +140,7 @@ class PolicyBenchSettings:
 class Method:
     name: str
     family: str  # "plain", "fixed", "goodput", "batch_adaptive", "bandit"
-    variant: str  # "", "per-row", "uniform", "finish", "ucb", "epoch", "batch-level", "batch-finish", "joint"
+    variant: str  # "", "per-row", "uniform", "finish", "ucb", "epoch", "batch-level", "batch-finish", "batch-call", "joint"
     drafters: tuple[str, ...]  # given to generate(), in this order
     length: int  # fixed: k; goodput / batch_adaptive: the longest draft; bandit: k
     make: Callable[[str], Policy] = field(repr=False)  # workload name -> a fresh policy

@@ -34,6 +34,16 @@ confidence radius over the hold), so drafters within the noise of
 each other are not swapped at 2-3 steps' price each time (run 13 at batch 16: 6-9 ms catch-ups
 against 2.2-3 ms steps, between drafters 10% apart per step).
 
+``objective="call"`` (batch scope, ours) makes the time slot a whole generate() call: the bandit
+plays one drafter for the call and learns, when the next call starts (or at ``end_call``), the
+call's tokens per row over its steps' seconds. A static batch lasts as long as its slowest row,
+and per-step rewards do not see a drafter's stragglers: in run 15 at batch 64 (continuation),
+prompt lookup's and drafter-4L-narrow's steps made the same tokens per row per second (1018 and
+1025 learnt), while drafter-4L-narrow's calls took 56 steps against 120 and were 1.57x faster.
+A call's reward holds its stragglers, and no call pays a switch's catch-up. The price: one
+sample per call, so the exploration constant is lower (CALL_EXPLORATION), and the bandit needs a
+few calls of each drafter behind it.
+
 Strategies (``BanditState``, vectorised over independent bandits):
 - "ucb": UCB1 (Auer et al. 2002): untried arms first, then argmax mean + c * sqrt(ln t / n),
   t the bandit's pulls so far, n the arm's.
@@ -90,8 +100,13 @@ STRATEGIES = ("ucb", "epoch")
 CONFIDENCES = ("range", "variance")
 PRIOR_SPREAD_PULLS = 2.0  # confidence="variance": pseudo-pulls at the widest spread, so an arm's first pulls cannot read as noiseless
 SCOPES = ("request", "batch", "joint")
-OBJECTIVES = ("step", "finish")
+OBJECTIVES = ("step", "finish", "call")
 BATCH_FINISH_QUANTILE = 0.25  # batch scope, objective "finish": the share of drafting rows, furthest from done first, a step's reward counts
+# objective "call": a reward averages a whole call, whose spread from call to call is a few percent
+# (run 15: a timed pass's median within 3.1% of its fastest), so the radius need not be as wide
+# as for one step's reward; at 1.0, a bandit with one call per drafter behind it went back to a
+# drafter 0.64 as fast at its fifth call
+CALL_EXPLORATION = 0.3
 MAX_JOINT_DRAFTERS = 6  # joint scope enumerates the 2^D - 1 subsets of drafters
 MIN_STEP_S = 1e-9  # predicted step times are floored here (nothing measured yet: all times 0)
 
@@ -407,7 +422,8 @@ class BanditPolicy(Policy):
         batch per step) or "joint" (one bandit per row, the rows' drafters chosen together so
         that the drafters a step runs pay for themselves; at most 6 drafters); cost_model:
         predicted rather than measured times (optional); exploration: c in the confidence radius
-        (default 1.0 for request and batch scope, whose rewards are normalised by the best arm;
+        (default 1.0 for request and batch scope, whose rewards are normalised by the best arm,
+        CALL_EXPLORATION for objective "call";
         0.2 for joint scope, whose radius is c * (k + 1) * sqrt(ln t / n) in tokens per step);
         warm_start (request and joint scope): a new request's bandit starts from what every
         earlier request taught, as up to this many pseudo-pulls per arm at the population's mean
@@ -417,7 +433,8 @@ class BanditPolicy(Policy):
         step) or "finish" (joint: those that finish the batch's slowest row soonest; batch: the
         reward counts the tokens of the quarter of drafting rows furthest from done,
         BATCH_FINISH_QUANTILE, as if every row had emitted as much, ``laggard_tokens``, since a
-        static batch lasts as long as its slowest row);
+        static batch lasts as long as its slowest row) or, batch scope only, "call" (one
+        drafter per generate() call, rewarded by the call's tokens per row per second);
         confidence: "variance" (the radius scaled by each arm's measured spread, BanditState:
         tokens per second over a step are steady, and drafters a few percent apart are told apart
         within a call) or "range" (UCB1's radius, for rewards as noisy as coins); hold_steps
@@ -441,7 +458,10 @@ class BanditPolicy(Policy):
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if objective != "step" and scope == "request":
             raise ValueError(f"objective={objective!r} is for batch and joint scope; request scope rewards each row by its own tokens per second")
+        if objective == "call" and scope != "batch":
+            raise ValueError(f"objective='call' plays one drafter per generate() call and is for batch scope, got scope={scope!r}")
         self.objective = objective
+        self._call = np.zeros(2)  # objective "call": the call so far (tokens per row, seconds)
         if hold_steps is None:
             hold_steps = 4 if scope == "batch" else 2
         if isinstance(hold_steps, bool) or not isinstance(hold_steps, (int, np.integer)) or hold_steps < 2:
@@ -454,7 +474,7 @@ class BanditPolicy(Policy):
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if exploration is None:
-            exploration = 0.2 if scope == "joint" else 1.0
+            exploration = {"joint": 0.2}.get(scope, CALL_EXPLORATION if objective == "call" else 1.0)
         self.num_draft_tokens = int(num_draft_tokens)
         self.strategy, self.scope, self.cost_model = strategy, scope, cost_model
         if confidence not in CONFIDENCES:
@@ -484,6 +504,8 @@ class BanditPolicy(Policy):
                              f"{MAX_JOINT_DRAFTERS} drafters, generate() was given {num_drafters}")
         per_row = self.scope != "batch"
         fresh = self.bandits is None or self.bandits.num_arms != num_drafters
+        if fresh:
+            self._call = np.zeros(2)  # a call served with other drafters teaches these bandits nothing
         if fresh or (per_row and batch is not self._batch):
             self.bandits = BanditState(batch.num_rows if per_row else 1, num_drafters, **self._options)
             if per_row:
@@ -503,7 +525,9 @@ class BanditPolicy(Policy):
         self._remaining = batch.remaining  # [B] (computed by BatchState on each read)
         self._asked = np.minimum(self.num_draft_tokens, np.maximum(self._remaining - 1, 0))
         self._lengths = batch.lengths.copy()
-        if self.scope == "joint":
+        if self.objective == "call":
+            arms = self._call_arm(batch)
+        elif self.scope == "joint":
             arms = self._choose_jointly(batch)
         else:  # a switch is held for hold_steps steps, its first not rewarded (it reads what the drafter missed)
             worth = {}
@@ -519,6 +543,23 @@ class BanditPolicy(Policy):
             self._previous = arms
         self._arms = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)
         return Plan(drafter_index=self._arms.copy(), num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens, dtype=np.int64))
+
+    def _call_arm(self, batch) -> np.ndarray:
+        """Objective "call": [1] the drafter of the whole call, chosen at its first step (after
+        learning from the call before)."""
+        if self._previous[0] < 0:
+            self.end_call()
+            self._previous = self.bandits.choose()
+            self._call_drafter, self._call_rows = int(self._previous[0]), max(len(batch.active_rows()), 1)
+        return self._previous
+
+    def end_call(self) -> None:
+        """Objective "call": the bandit learns the call just served, its tokens per row over the
+        seconds its steps took (nothing when no step was measured)."""
+        tokens_per_row, seconds = self._call
+        if self.objective == "call" and self.bandits is not None and seconds > 0:
+            self.bandits.update(np.zeros(1, dtype=np.int64), np.array([self._call_drafter]), [tokens_per_row / seconds])
+        self._call = np.zeros(2)
 
     def _choose_jointly(self, batch) -> np.ndarray:
         """[B] joint scope's drafter per row (0 for rows that draft nothing)."""
@@ -567,6 +608,10 @@ class BanditPolicy(Policy):
             self._observe_times(record, rows)
             return
         seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)  # [A]
+        if self.objective == "call":
+            measured = self.cost_model is None and record.step_time_s
+            self._call += (emitted.sum() / self._call_rows, float(record.step_time_s) if measured else seconds.sum())
+            return
         if self.scope == "request":
             with np.errstate(divide="ignore", invalid="ignore"):
                 rewards = np.where(seconds > 0, emitted / seconds, np.nan)

@@ -510,42 +510,73 @@ def test_laggard_tokens_count_the_quarter_of_drafting_rows_furthest_from_done():
     assert np.isnan(laggard_tokens(np.array([1, 1]), np.array([5, 5]), np.array([False, False])))
 
 
+def serve_straggler_calls(policy: BanditPolicy, calls: int, rng) -> list[list[int]]:
+    """Static calls of 16 rows and 120 tokens. Drafter 0 (prompt-lookup-like) makes a quarter of
+    the rows emit 5 tokens a step and the rest 1 or 2 (a new quarter each call), at 1.0 s a step;
+    drafter 1 makes every row emit 2 or 3, at 1.4 s. Per step drafter 0 makes 2.4 tokens per row
+    per second and drafter 1 1.8; drafter 0's calls take about 80 steps (80 s), drafter 1's
+    about 48 (67 s).
+    Returns each call's drafters, step by step."""
+    played = []
+    for _ in range(calls):
+        batch = BatchState([np.arange(5)] * 16, max_new_tokens=120, seeds=np.zeros(16, dtype=np.int64),
+                           eos_token_ids=np.zeros(0, dtype=np.int64))
+        fast, arms = rng.permutation(16) < 4, []
+        while not batch.finished.all():
+            rows = batch.active_rows()
+            arm = int(policy.plan(batch, num_drafters=2).drafter_index[0])
+            if arm == 0:
+                emitted, seconds = np.where(fast, 5, rng.integers(1, 3, size=16)), 1.0
+            else:
+                emitted, seconds = rng.integers(2, 4, size=16), 1.4
+            emitted = np.minimum(emitted, batch.remaining)
+            record = make_record([4] * 16, emitted, [arm] * 16, seconds - 0.5, 0.5, rows=rows)
+            record.step_time_s = seconds
+            policy.observe(record)
+            batch.lengths[rows] += emitted[rows]
+            batch.finished |= batch.remaining <= 0
+            arms.append(arm)
+        played.append(arms)
+    return played
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_batch_finish_objective_prefers_the_drafter_without_stragglers(seed):
-    """Calls of 16 rows and 120 tokens each, two drafters. Drafter 0 (prompt-lookup-like) makes
-    the same quarter of the rows emit 5 tokens a step and the rest 1 or 2, at 1.0 s a step: 2.25
-    tokens per row per second. Drafter 1 makes every row emit 2 or 3, at 1.4 s: 1.79. The step
-    objective's reward is tokens per second and favours drafter 0; a static batch, though, lasts
-    as long as its slowest rows, which go at 1.5 against 1.79 tokens per second under drafter
-    1: "finish" rewards the rows furthest from done and favours drafter 1. Over 8 calls each
-    objective plays its favourite in >= 75% of the steps."""
-    rng = np.random.default_rng(seed)
-
+    """The calls of ``serve_straggler_calls``: drafter 0 makes the same quarter of a call's rows
+    emit 5 tokens a step and the rest 1 or 2, at 1.0 s a step (2.4 tokens per row per second);
+    drafter 1 makes every row emit 2 or 3, at 1.4 s (1.79). The step objective's reward is
+    tokens per second and favours drafter 0; a static batch, though, lasts as long as its slowest
+    rows, which go at 1.5 against 1.79 tokens per second under drafter 1: "finish" rewards the
+    rows furthest from done and favours drafter 1. Over 8 calls each objective plays its
+    favourite in >= 75% of the steps."""
     def share_of_drafter_1(objective):
         policy = BanditPolicy(num_draft_tokens=4, strategy="ucb", scope="batch", objective=objective)
-        played = []
-        for _ in range(8):
-            batch = BatchState([np.arange(5)] * 16, max_new_tokens=120, seeds=np.zeros(16, dtype=np.int64),
-                               eos_token_ids=np.zeros(0, dtype=np.int64))
-            fast = rng.permutation(16) < 4  # [16] this call's rows that drafter 0 serves well
-            while not batch.finished.all():
-                rows = batch.active_rows()
-                arm = int(policy.plan(batch, num_drafters=2).drafter_index[0])
-                if arm == 0:
-                    emitted, seconds = np.where(fast, 5, rng.integers(1, 3, size=16)), 1.0
-                else:
-                    emitted, seconds = rng.integers(2, 4, size=16), 1.4
-                emitted = np.minimum(emitted, batch.remaining)
-                record = make_record([4] * 16, emitted, [arm] * 16, seconds - 0.5, 0.5, rows=rows)
-                record.step_time_s = seconds
-                policy.observe(record)
-                batch.lengths[rows] += emitted[rows]
-                batch.finished |= batch.remaining <= 0
-                played.append(arm)
-        return np.mean(played)
+        played = serve_straggler_calls(policy, 8, np.random.default_rng(seed))
+        return np.mean([arm for arms in played for arm in arms])
 
     assert share_of_drafter_1("step") <= 0.25
     assert share_of_drafter_1("finish") >= 0.75
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_call_objective_plays_one_drafter_per_call_and_learns_whole_calls(seed):
+    """objective="call": every call plays one drafter throughout; after a call of each, the
+    drafter whose calls finish sooner (drafter 1 above, 1.2x faster per call, though slower per
+    step) plays at least 8 of the last 10 calls. The reward learnt is the call's tokens per
+    row over its seconds."""
+    policy = BanditPolicy(num_draft_tokens=4, scope="batch", objective="call")
+    played = serve_straggler_calls(policy, 12, np.random.default_rng(seed))
+    assert all(len(set(arms)) == 1 for arms in played)
+    assert [arms[0] for arms in played[:2]] == [0, 1]  # each drafter tried once first
+    assert sum(arms[0] == 1 for arms in played[2:]) >= 8
+    policy.end_call()
+    assert policy.bandits.counts.sum() == 12
+    per_call = [120 / (len(arms) * (1.0 if arms[0] == 0 else 1.4)) for arms in played]
+    learnt = policy.bandits.raw_means()[0]
+    assert learnt[1] == pytest.approx(np.mean([r for r, arms in zip(per_call, played) if arms[0] == 1]))
+    assert learnt[0] < learnt[1]
+    with pytest.raises(ValueError, match="batch scope"):
+        BanditPolicy(4, scope="joint", objective="call")
 
 
 def test_batch_scope_rewards_tokens_per_second_of_the_steps_wall_time():
