@@ -124,6 +124,20 @@ def test_bandit_is_exact_and_switches_drafters(strategy, scope):
         assert r.drafter_wall_s.sum() < r.step_time_s
 
 
+def test_bandit_one_drafter_per_call_is_exact_and_moves_between_calls():
+    """objective="call": each call exact and on one drafter throughout; the second call plays the
+    drafter the first did not (untried first), and the first call's reward is learnt."""
+    prompts, eos = prompts_and_eos(5, seed=3)
+    policy = BanditPolicy(num_draft_tokens=3, scope="batch", objective="call")
+    drafters = two_drafters()
+    played = []
+    for _ in range(2):
+        _, recording = run(policy, drafters, prompts, eos)
+        played.append({int(r.drafter_index[row]) for r in recording.records for row in r.rows})
+    assert played == [{0}, {1}]
+    assert policy.bandits.counts.tolist() == [[1, 0]]
+
+
 @pytest.mark.parametrize("options", [{"scope": "request"}, {"scope": "joint"},
                                      {"scope": "joint", "objective": "finish"}, {"scope": "batch", "objective": "finish"}],
                          ids=["request", "joint", "joint-finish", "batch-finish"])
