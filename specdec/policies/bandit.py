@@ -104,8 +104,9 @@ OBJECTIVES = ("step", "finish", "call")
 BATCH_FINISH_QUANTILE = 0.25  # batch scope, objective "finish": the share of drafting rows, furthest from done first, a step's reward counts
 # objective "call": a reward averages a whole call, whose spread from call to call is a few percent
 # (run 15: a timed pass's median within 3.1% of its fastest), so the radius need not be as wide
-# as for one step's reward; at 1.0, a bandit with one call per drafter behind it went back to a
-# drafter 0.64 as fast at its fifth call
+# as for one step's reward. At 1.0, the radius of an arm with one call behind it (about 1.2 at
+# the fifth call) outweighs a drafter 0.64 as fast; at 0.3 (0.35) it does not, though it still
+# outweighs one 0.86 as fast (run 16: after 4 calls of history, the timed passes went back to such drafters)
 CALL_EXPLORATION = 0.3
 MAX_JOINT_DRAFTERS = 6  # joint scope enumerates the 2^D - 1 subsets of drafters
 MIN_STEP_S = 1e-9  # predicted step times are floored here (nothing measured yet: all times 0)
@@ -278,7 +279,10 @@ def laggard_tokens(emitted: np.ndarray, remaining: np.ndarray, counted: np.ndarr
     the drafter). A static batch lasts as long as its slowest rows, and the rows furthest from
     done are the likeliest to be last: a drafter that serves them poorly finishes late however
     fast its other rows go (run 14, continuation at batch 64: prompt lookup's steps made more
-    tokens per row per second than drafter-4L-narrow's, its calls took 96 steps against 59)."""
+    tokens per row per second than drafter-4L-narrow's, its calls took 96 steps against 59).
+    It did not separate them in run 15 either (1018 against 1025 tokens per row-second learnt,
+    calls of 120 steps against 56): prompt lookup's acceptance comes in bursts, so which row
+    is furthest behind mid-call says little about which row ends last. Objective "call" does."""
     counted = np.asarray(counted, dtype=bool)
     mine = np.asarray(emitted, dtype=np.float64)[counted]  # [n]
     if len(mine) == 0:
