@@ -109,8 +109,9 @@ class PolicyBenchSettings:
     goodput_decide_every: int = 16  # steps between GoodputPolicy's decisions
     bandit_times: str = "measured"  # "measured" (CUDA events) or "model" (the cost model's predictions)
     profile_grid: str = "default"  # "default" or "tiny"
-    # held-out requests per workload for the tau profile at each batch size below the largest; the
-    # largest batch size profiles as many distinct requests as its rows (its slowest row sets a call's length)
+    # held-out requests per workload for BatchAdaptivePolicy's profile at each batch size below the
+    # largest; the largest batch size profiles as many distinct requests as its rows (its slowest row
+    # sets a call's length), and GoodputPolicy's prior is fitted on all of them
     profile_prompts: int = 16
     # the profile's new tokens per request, as many as the runs decode: greedy text grows more
     # predictable as it goes on, so a shorter profile reads a lower tau and favours shorter drafts
@@ -622,7 +623,7 @@ def progress_line(row: dict, rows: list[dict], number: int, total: int, elapsed:
 
 def estimate(settings: PolicyBenchSettings, num_drafters: int) -> str:
     """What the run will do, in runs and generate() calls (a plan, not a measurement)."""
-    num_methods = 1 + num_drafters * len(set(settings.lengths) | {settings.bandit_length}) + 7
+    num_methods = 1 + num_drafters * len(set(settings.lengths) | {settings.bandit_length}) + 4 + len(BANDIT_VARIANTS)
     calls = sum(math.ceil((settings.batch1_prompts if b == 1 else max(b, settings.num_prompts)) / b)
                 for b in settings.batch_sizes)
     runs = num_methods * len(settings.workloads) * len(settings.batch_sizes)
@@ -996,7 +997,8 @@ def _unused_difference(key: str, a: dict, b: dict) -> bool:
     another in them, as long as neither started fresh (0)."""
     if key in ("history_prompts", "history_calls"):
         only_batch_1 = list(a.get("batch_sizes", ())) == [1] or list(b.get("batch_sizes", ())) == [1]
-        return only_batch_1 and bool(a.get(key)) and bool(b.get(key))
+        default = 1 if key == "history_calls" else 0  # results from before --history-calls served one call
+        return only_batch_1 and bool(a.get(key, default)) and bool(b.get(key, default))
     return False
 
 
@@ -1085,7 +1087,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per run (median); --quick: 1")
     p.add_argument("--history-prompts", type=int, default=d.history_prompts,
                    help="held-out requests each learning policy serves before its timed passes (at batch B: at "
-                        "least B; at batch 1: --batch1-prompts); 0: every pass starts fresh; --quick: 4")
+                        "least --history-calls x B; at batch 1: --batch1-prompts); 0: every pass starts fresh; --quick: 4")
     p.add_argument("--history-calls", type=int, default=d.history_calls,
                    help="at batch B > 1 the history holds at least this many calls of B requests")
     p.add_argument("--tau-profile-tokens", type=int, default=d.tau_profile_tokens,

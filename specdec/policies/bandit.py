@@ -42,7 +42,9 @@ prompt lookup's and drafter-4L-narrow's steps made the same tokens per row per s
 1025 learnt), while drafter-4L-narrow's calls took 56 steps against 120 and were 1.57x faster.
 A call's reward holds its stragglers, and no call pays a switch's catch-up. The price: one
 sample per call, so the exploration constant is lower (CALL_EXPLORATION), and the bandit needs a
-few calls of each drafter behind it.
+few calls of each drafter behind it. ``hold_steps`` and ``charge_switches`` do not apply. Rewards
+are per row, so calls of one size compare exactly and calls of very different sizes (a short
+tail call after full ones) only roughly.
 
 Strategies (``BanditState``, vectorised over independent bandits):
 - "ucb": UCB1 (Auer et al. 2002): untried arms first, then argmax mean + c * sqrt(ln t / n),
@@ -288,7 +290,7 @@ def laggard_tokens(emitted: np.ndarray, remaining: np.ndarray, counted: np.ndarr
     if len(mine) == 0:
         return float("nan")
     behind = np.asarray(remaining, dtype=np.float64)[counted]  # [n]
-    threshold = np.sort(behind)[::-1][max(1, math.ceil(share * len(mine))) - 1]
+    threshold = np.sort(behind)[::-1][min(len(mine), max(1, math.ceil(share * len(mine)))) - 1]
     return float(mine[behind >= threshold].mean() * len(emitted))
 
 
@@ -514,7 +516,7 @@ class BanditPolicy(Policy):
             self.bandits = BanditState(batch.num_rows if per_row else 1, num_drafters, **self._options)
             if per_row:
                 self._seed_from_population(num_drafters)
-        if self.scope == "batch" and self.charge_switches and (self.switch_costs is None
+        if self.scope == "batch" and self.objective != "call" and self.charge_switches and (self.switch_costs is None
                                                               or self.switch_costs.num_drafters != num_drafters):
             self.switch_costs = SwitchCosts(num_drafters)
         if self.scope == "joint" and (self.step_times is None or self.step_times.num_drafters != num_drafters):
