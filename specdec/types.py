@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+
+def is_int_at_least(value, minimum: int) -> bool:
+    """Whether ``value`` is an integer (Python or numpy, not a bool) of at least ``minimum``: the
+    check every count-like option of the library makes before a clear ValueError."""
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= minimum
+
 PAD_ID = -1  # fills token slots beyond a row's count
 
 
@@ -40,9 +46,7 @@ class SamplingParams:
                 f"temperature must be >= 0, got {self.temperature}: use 0 for greedy decoding "
                 "or a positive value to sample"
             )
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1
-        ):
+        if self.top_k is not None and not is_int_at_least(self.top_k, 1):
             raise ValueError(f"top_k must be an integer >= 1 or None (no cut), got {self.top_k!r}")
         if self.top_p is not None and (
             not isinstance(self.top_p, numbers.Real) or not (0.0 < self.top_p <= 1.0)

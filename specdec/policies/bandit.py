@@ -94,7 +94,7 @@ import statistics
 import numpy as np
 
 from ..stats import StepRecord
-from ..types import Plan
+from ..types import Plan, is_int_at_least
 from .base import Policy
 from .cost_model import CostModel
 
@@ -452,7 +452,7 @@ class BanditPolicy(Policy):
         the batch would switch to by the share of its reward its switch keeps (``SwitchCosts``:
         its catch-up, learnt from measured steps), so that drafters within the noise of each other
         are not switched between at a catch-up's price every few steps."""
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, (int, np.integer)) or num_draft_tokens < 1:
+        if not is_int_at_least(num_draft_tokens, 1):
             raise ValueError(f"BanditPolicy's num_draft_tokens must be an integer >= 1, got {num_draft_tokens!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -470,7 +470,7 @@ class BanditPolicy(Policy):
         self._call = np.zeros(2)  # objective "call": the call so far (tokens per row, seconds)
         if hold_steps is None:
             hold_steps = 4 if scope == "batch" else 2
-        if isinstance(hold_steps, bool) or not isinstance(hold_steps, (int, np.integer)) or hold_steps < 2:
+        if not is_int_at_least(hold_steps, 2):
             raise ValueError(f"hold_steps must be an integer >= 2 (a switch's catch-up, then a step to learn from), got {hold_steps!r}")
         self.hold_steps = int(hold_steps)
         if not isinstance(charge_switches, bool):
@@ -480,7 +480,7 @@ class BanditPolicy(Policy):
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
         if exploration is None:
-            exploration = {"joint": 0.2}.get(scope, CALL_EXPLORATION if objective == "call" else 1.0)
+            exploration = 0.2 if scope == "joint" else CALL_EXPLORATION if objective == "call" else 1.0
         self.num_draft_tokens = int(num_draft_tokens)
         self.strategy, self.scope, self.cost_model = strategy, scope, cost_model
         if confidence not in CONFIDENCES:
@@ -489,7 +489,7 @@ class BanditPolicy(Policy):
                          "max_explore_fraction": max_explore_fraction, "confidence": confidence}
         self.bandits: BanditState | None = None
         self._batch = None
-        if isinstance(warm_start, bool) or not isinstance(warm_start, (int, np.integer)) or warm_start < 0:
+        if not is_int_at_least(warm_start, 0):
             raise ValueError(f"warm_start must be an integer >= 0, got {warm_start!r}")
         self.warm_start = int(warm_start)
         self.population: BanditState | None = None  # request and joint scope: every request's rewards, across calls
@@ -524,6 +524,7 @@ class BanditPolicy(Policy):
         if self.scope == "joint" and batch is not self._batch:
             self.step_times.new_call()
         if batch is not self._batch:  # a new call: every model drafter's first pass reads the prompts
+            self.end_call()  # objective "call": the call before is learnt (once: end_call clears it)
             self._previous = np.full(self.bandits.counts.shape[0], -1, dtype=np.int64)  # [N] the arm played last step
             self._switching = np.zeros(self.bandits.counts.shape[0], dtype=bool)  # [N] whether that step was a switch
             self._hold_left = np.zeros(self.bandits.counts.shape[0], dtype=np.int64)  # [N] steps the arm is still held for
@@ -553,10 +554,9 @@ class BanditPolicy(Policy):
     def _call_arm(self, batch) -> np.ndarray:
         """Objective "call": [1] the drafter of the whole call, chosen at its first step (after
         learning from the call before)."""
-        if self._previous[0] < 0:
-            self.end_call()
+        if self._previous[0] < 0:  # the call's first step
             self._previous = self.bandits.choose()
-            self._call_drafter, self._call_rows = int(self._previous[0]), max(len(batch.active_rows()), 1)
+            self._call_rows = max(len(batch.active_rows()), 1)
         return self._previous
 
     def end_call(self) -> None:
@@ -564,7 +564,7 @@ class BanditPolicy(Policy):
         seconds its steps took (nothing when no step was measured)."""
         tokens_per_row, seconds = self._call
         if self.objective == "call" and self.bandits is not None and seconds > 0:
-            self.bandits.update(np.zeros(1, dtype=np.int64), np.array([self._call_drafter]), [tokens_per_row / seconds])
+            self.bandits.update(np.zeros(1, dtype=np.int64), self._previous[:1], [tokens_per_row / seconds])
         self._call = np.zeros(2)
 
     def _choose_jointly(self, batch) -> np.ndarray:
@@ -613,11 +613,13 @@ class BanditPolicy(Policy):
             self._observe_rows(rows, emitted)
             self._observe_times(record, rows)
             return
-        seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)  # [A]
-        if self.objective == "call":
+        if self.objective == "call":  # the call's totals; no per-row attribution
             measured = self.cost_model is None and record.step_time_s
-            self._call += (emitted.sum() / self._call_rows, float(record.step_time_s) if measured else seconds.sum())
+            step_s = float(record.step_time_s) if measured else \
+                attributed_times(record, self._asked, self._lengths, self.cost_model).sum()
+            self._call += (emitted.sum() / self._call_rows, step_s)
             return
+        seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)  # [A]
         if self.scope == "request":
             with np.errstate(divide="ignore", invalid="ignore"):
                 rewards = np.where(seconds > 0, emitted / seconds, np.nan)

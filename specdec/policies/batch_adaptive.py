@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..types import Plan
+from ..types import Plan, is_int_at_least
 from .acceptance import expected_emitted
 from .base import Policy
 from .cost_model import CostModel
@@ -165,8 +165,7 @@ def profile_expected_tokens(target, drafter, prompts, draft_lengths: Sequence[in
     prompts = list(prompts)
     if not prompts:
         raise ValueError("profile_expected_tokens needs at least one prompt")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
-                                   or batch_size < 1):
+    if batch_size is not None and not is_int_at_least(batch_size, 1):
         raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
     size = len(prompts) if batch_size is None else int(batch_size)
     measured = {}
@@ -207,10 +206,9 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
     from ..generate import generate  # the loop imports the policies package
     from .fixed import FixedPolicy
 
-    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+    if not is_int_at_least(repeats, 1):
         raise ValueError(f"repeats must be an integer >= 1 (measured rounds per length), got {repeats!r}")
-    if requests_per_size is not None and (isinstance(requests_per_size, bool) or not isinstance(requests_per_size, (int, np.integer))
-                                          or requests_per_size < 1):
+    if requests_per_size is not None and not is_int_at_least(requests_per_size, 1):
         raise ValueError(f"requests_per_size must be an integer >= 1 or None, got {requests_per_size!r}")
     all_prompts = list(prompts)
     emitted: dict[int, float] = {}

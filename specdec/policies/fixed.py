@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..types import Plan
+from ..types import Plan, is_int_at_least
 from .base import Policy
 
 
 class FixedPolicy(Policy):
     def __init__(self, num_draft_tokens: int = 4, drafter_index: int = 0):
         for name, value in (("num_draft_tokens", num_draft_tokens), ("drafter_index", drafter_index)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            if not is_int_at_least(value, 0):
                 raise ValueError(f"FixedPolicy's {name} must be an integer >= 0, got {value!r}")
         self.num_draft_tokens = int(num_draft_tokens)
         self.drafter_index = int(drafter_index)

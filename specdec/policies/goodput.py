@@ -91,7 +91,7 @@ import numpy as np
 import scipy.special
 
 from ..stats import StepRecord
-from ..types import Plan
+from ..types import Plan, is_int_at_least
 from .acceptance import (
     AcceptanceEstimator,
     RowRateSpread,
@@ -578,7 +578,7 @@ class GoodputPolicy(Policy):
         (posterior_rate_samples; 1: each row at its posterior mean)."""
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
-        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 1:
+        if not is_int_at_least(max_draft_tokens, 1):
             raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
         if search not in SEARCHES:
             raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
@@ -588,11 +588,10 @@ class GoodputPolicy(Policy):
             raise ValueError(f"need min_gain >= 0 and decide_every >= 1, got {min_gain!r} and {decide_every!r}")
         if not 0.0 <= revisit <= 1.0:
             raise ValueError(f"revisit must lie in [0, 1], got {revisit!r}")
-        if isinstance(finish_rate_samples, bool) or not isinstance(finish_rate_samples, (int, np.integer)) \
-                or finish_rate_samples < 1:
+        if not is_int_at_least(finish_rate_samples, 1):
             raise ValueError(f"finish_rate_samples must be an integer >= 1, got {finish_rate_samples!r}")
         self.finish_rate_samples = int(finish_rate_samples)
-        if isinstance(reprobe_after, bool) or not isinstance(reprobe_after, (int, np.integer)) or reprobe_after < 0:
+        if not is_int_at_least(reprobe_after, 0):
             raise ValueError(f"reprobe_after must be an integer >= 0, got {reprobe_after!r}")
         self.cost_model, self.search, self.drafter_index = cost_model, search, int(drafter_index)
         self._max_draft_tokens = int(max_draft_tokens)
