@@ -107,6 +107,7 @@ def generate(
         while not batch.finished.all():
             step_started = time.perf_counter()
             plan = _bounded(_checked(policy.plan(batch, len(drafters)), policy, batch, len(drafters)), batch)
+            plan_time_s = time.perf_counter() - step_started
             with timer.phase("draft"):
                 draft = _propose(drafters, batch, plan, device, vocab_size, timer)
             with timer.phase("verify"):
@@ -131,6 +132,7 @@ def generate(
                 drafter_time_s=np.array([times.get(f"drafter {i}", 0.0) for i in range(len(drafters))]),
                 drafter_wall_s=np.array([timer.host_seconds.get(f"drafter {i}", 0.0) for i in range(len(drafters))]),
                 step_time_s=time.perf_counter() - step_started,
+                plan_time_s=plan_time_s,
             )
             recorder.record(record, time.perf_counter() - started, batch.finished)
             policy.observe(record)

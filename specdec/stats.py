@@ -48,6 +48,7 @@ class StepRecord:
     drafter_time_s: np.ndarray | None = None  # [D] draft time of each drafter given to generate()
     step_time_s: float | None = None  # host wall time of the whole step, from the policy's plan to the commit
     drafter_wall_s: np.ndarray | None = None  # [D] host-clock time of each drafter's propose (its share of step_time_s)
+    plan_time_s: float = 0.0  # host wall time of the policy's plan (its share of step_time_s)
 
 
 @dataclass

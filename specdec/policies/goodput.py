@@ -564,7 +564,8 @@ class GoodputPolicy(Policy):
         ("ema" or "window"), window: acceptance estimation; per_position: use per-position
         acceptance rates (a position a row has never reached keeps the prior) rather than one
         rate per row; calibrate: correct the cost model online by the measured wall time of
-        each step (``StepRecord.step_time_s``; StepTimeCalibration: the plain step and what
+        each step, less the policy's own plan (``StepRecord.step_time_s - plan_time_s``;
+        StepTimeCalibration: the plain step and what
         drafting adds, per bucket of active rows), so a model that under-predicts what
         speculation costs at this batch size stops speculating once it has measured it;
         revisit: each step a row does not draft, its acceptance estimate moves this fraction of
@@ -738,18 +739,27 @@ class GoodputPolicy(Policy):
         if self._catching_up and first.step_time_s and decided.any() and self._drafter_ran(first):
             # what the catch-up step cost beyond the drafting step it also was: the price of a switch-on
             predicted = float(self.calibration.apply(step_time, len(decided))(decided))
-            self.calibration.observe_catch_up(first.step_time_s - predicted)
+            self.calibration.observe_catch_up(self._decoding_s(first) - predicted)
         plain, drafting = [], []
         for record in records[int(self._catching_up):]:
             if not record.step_time_s:
                 continue
-            (drafting if self._drafter_ran(record) else plain).append(record.step_time_s)
+            (drafting if self._drafter_ran(record) else plain).append(self._decoding_s(record))
         if plain:
             self.calibration.observe(step_time, np.zeros_like(decided), plain)
             if self.reprobe_after:
                 self.calibration.idle(len(decided), self.reprobe_after, steps=len(plain))
         if drafting and decided.any():
             self.calibration.observe(step_time, decided, drafting)
+
+    @staticmethod
+    def _decoding_s(record: StepRecord) -> float:
+        """The step's wall time less the policy's own plan (StepRecord.plan_time_s): what the cost
+        model predicts. A decision's work (half a millisecond for "finish" on the H200's host, run
+        16) lands on the first step of its interval whether that step drafts or not; at the tail
+        of a call, where rows finishing bring decisions forward every few steps, it made up
+        half of the few drafting samples and read as drafting costing twice what it does."""
+        return float(record.step_time_s) - float(getattr(record, "plan_time_s", 0.0) or 0.0)
 
     @staticmethod
     def _drafter_ran(record: StepRecord) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -122,6 +123,32 @@ def test_bandit_is_exact_and_switches_drafters(strategy, scope):
         ran = np.isin([0, 1], r.drafter_index[r.rows][r.num_drafted[r.rows] > 0])
         assert r.drafter_wall_s.shape == (2,) and np.all(r.drafter_wall_s[ran] > 0)
         assert r.drafter_wall_s.sum() < r.step_time_s
+
+
+class SlowPlanning(Recording):
+    """Takes ``seconds`` (busy, on the host clock) over each plan."""
+
+    def __init__(self, inner: Policy, seconds: float):
+        super().__init__(inner)
+        self.seconds = seconds
+
+    def plan(self, batch, num_drafters):
+        until = time.perf_counter() + self.seconds
+        while time.perf_counter() < until:
+            pass
+        return super().plan(batch, num_drafters)
+
+
+def test_step_records_time_the_policys_plan_apart():
+    """StepRecord.plan_time_s: the host time of the policy's plan, a part of step_time_s (what
+    GoodputPolicy's calibration takes out of a step's time)."""
+    prompts, eos = prompts_and_eos(3, seed=5)
+    recording = SlowPlanning(BatchAdaptivePolicy({1: 2, 4: 3}), seconds=0.02)
+    out = generate(target(), prompts, drafter=ModelDrafter(good_drafter_model()), policy=recording,
+                   max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos)
+    assert out.sequences == [reference(tuple(p), eos) for p in prompts]
+    assert len(recording.records) == out.stats.steps > 1
+    assert all(0.02 <= r.plan_time_s < r.step_time_s for r in recording.records)
 
 
 def test_bandit_one_drafter_per_call_is_exact_and_moves_between_calls():

@@ -116,11 +116,11 @@ def test_profile_with_graphs_times_the_runner_generate_reuses():
     assert runners_of(target)["target"] is runner and len(out.sequences) == 4
 
 
-def _record(asked, emitted, seconds):
+def _record(asked, emitted, seconds, plan_seconds=0.0):
     rows = np.arange(len(asked))
     asked, emitted = np.asarray(asked), np.asarray(emitted)
     return StepRecord(0, rows, np.zeros_like(asked), asked, emitted - 1, emitted, 0.0, 0.0, VerifyCost(0, 0),
-                      step_time_s=seconds)
+                      step_time_s=seconds, plan_time_s=plan_seconds)
 
 
 def _run_calibrated(policy, batch, steps, measured_time):
@@ -221,6 +221,33 @@ def test_goodput_calibration_ignores_the_first_drafting_step():
     times = iter([50.0] + [1.2] * 10)
     plans = _run_calibrated(policy, batch, 6, lambda asked: next(times))
     assert all(p.max() == 4 for p in plans) and policy.calibration.extra_scale[4] == pytest.approx(1.0)
+
+
+def test_goodput_calibration_leaves_out_the_policys_own_plan():
+    """A step's wall time includes the policy's own plan (StepRecord.plan_time_s), which the cost
+    model does not predict. With a 1.4 s plan in every step (seven times what k = 4 adds, 0.2 s),
+    the calibration still reads drafting as modelled and the policy keeps drafting; fed the same
+    steps as if the plan were decoding, it reads drafting as 8x dearer (1.6 s) and stops after
+    its three samples. (Deciding every 16 steps, as the bench does, a decision's work lands on
+    one step in 16, but at a call's tail, where rows finishing bring decisions forward, on most
+    of the few drafting steps a bucket of active rows gets.)"""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
+
+    def run_with(plan_reported):
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, min_gain=0.5, learn_prior=False)
+        plans = []
+        for _ in range(6):
+            asked = policy.plan(batch, 1).num_draft_tokens
+            plans.append(asked.copy())
+            seconds = 1.4 + 1.0 + 0.05 * asked.max()  # plan + decoding as modelled
+            policy.observe(_record(asked, np.minimum(asked, 3) + 1, seconds, 1.4 if plan_reported else 0.0))
+        return plans, policy
+
+    plans, policy = run_with(plan_reported=True)
+    assert all(p.max() == 4 for p in plans) and policy.calibration.extra_scale[4] == pytest.approx(1.0)
+    plans, policy = run_with(plan_reported=False)
+    assert plans[3].max() == 4 and plans[4].max() == 0 and policy.calibration.extra_scale[4] == pytest.approx(8.0)
 
 
 def test_goodput_calibration_ignores_the_catch_up_step_after_a_pause():
