@@ -319,13 +319,13 @@ def test_the_timing_condition_options_reach_the_settings():
 
 def test_the_history_holds_several_calls_at_each_batch_size():
     """At batch B > 1 the history is max(history_calls x B, history_prompts) held-out requests
-    (4 calls by default: one call at batch 64 left the batch-scope bandits a visit or two per
-    drafter); batch 1 serves batch1_prompts; --history-calls below 1 is refused."""
+    (8 calls by default: one call at batch 64 left the batch-scope bandits a visit or two per
+    drafter, four left the one-drafter-per-call bandit exploring); batch 1 serves batch1_prompts; --history-calls below 1 is refused."""
     from specdec.bench.policies import history_size, parser, settings_from
 
     default = settings_from(parser().parse_args([]))
-    assert default.history_calls == 4
-    assert [history_size(default, b) for b in (1, 4, 16, 64)] == [default.batch1_prompts, 16, 64, 256]
+    assert default.history_calls == 8
+    assert [history_size(default, b) for b in (1, 4, 16, 64)] == [default.batch1_prompts, 32, 128, 512]
     one = settings_from(parser().parse_args(["--history-calls", "1", "--history-prompts", "8"]))
     assert [history_size(one, b) for b in (4, 16)] == [8, 16]
     assert history_size(settings_from(parser().parse_args(["--history-prompts", "0"])), 16) == 0
