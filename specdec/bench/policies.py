@@ -159,7 +159,8 @@ class Tally(Policy):
     """Passes everything to ``inner`` and counts, by request kind, row-steps, drafted tokens and
     which drafter proposed (a few bincounts per step), and the host time the inner policy takes
     (``policy_s``: its plan and observe calls); ``trace`` keeps, per step, the active rows, the
-    longest and the mean draft, the drafters used and the step's wall time in ms."""
+    longest and the mean draft, the drafters used, the step's wall time in ms and the part of it
+    the policy's plan took (StepRecord.plan_time_s, ms; Tally's own bookkeeping included)."""
 
     def __init__(self, inner: Policy, kinds: np.ndarray, num_drafters: int):
         self.inner, self.kinds, self.num_drafters = inner, kinds, max(num_drafters, 1)
@@ -189,7 +190,7 @@ class Tally(Policy):
         on = drafted > 0
         self.trace.append([len(rows), int(drafted.max(initial=0)), round(float(drafted.mean()) if len(rows) else 0.0, 2),
                            len(np.unique(record.drafter_index[rows][on])),
-                           round(1e3 * (record.step_time_s or 0.0), 3)])
+                           round(1e3 * (record.step_time_s or 0.0), 3), round(1e3 * record.plan_time_s, 3)])
         if on.any():
             cell = kinds[on] * self.num_drafters + record.drafter_index[rows][on]
             self.drafting += np.bincount(cell, minlength=len(KINDS) * self.num_drafters).reshape(len(KINDS), -1)
@@ -598,7 +599,8 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
                                       if by_kind_steps[k] > 0},
         "drafter_use": use,  # per kind: fraction of row-steps in which each drafter proposed
         "pass_seconds": timings,
-        # per step of the median pass's first call: [active rows, longest draft, mean draft, drafters used, ms]
+        # per step of the median pass's first call: [active rows, longest draft, mean draft, drafters used, ms,
+        # plan ms] (results before run 18 hold the first five)
         **({"trace": tallies[0].trace} if method.family != "fixed" else {}),
         "policy_ms_per_step": 1e3 * sum(t.policy_s for t in tallies) / max(sum(t.steps for t in tallies), 1),
         **({"calibration": {"base_scale": {str(b): v for b, v in sorted(calibration.base_scale.items())},

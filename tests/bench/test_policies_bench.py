@@ -47,7 +47,7 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert all(len(r["pass_seconds"]) == 2 and r["passes_agree"] and r["policy_ms_per_step"] > 0 for r in rows)
     # every adaptive run traces its steps: [active rows, longest draft, mean draft, drafters used, ms]
     traced = [r for r in rows if r["family"] != "fixed"]
-    assert traced and all(r["trace"] and all(len(t) == 5 and t[0] >= 1 and t[4] > 0 for t in r["trace"]) for r in traced)
+    assert traced and all(r["trace"] and all(len(t) == 6 and t[0] >= 1 and t[4] > t[5] >= 0 for t in r["trace"]) for r in traced)
     assert all(t[1] == 0 for t in rows[0]["trace"])  # plain decoding drafts nothing
     assert all(max(t[3] for t in r["trace"]) >= 1 for r in traced if r["family"] == "bandit")  # bandits draft
     goodput = [r for r in rows if r["family"] == "goodput"]
