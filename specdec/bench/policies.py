@@ -13,7 +13,7 @@ held-out requests of each workload and build BatchAdaptivePolicy's table from it
 model; then, for each batch size (largest first) and workload (a cell): one short untimed warm-up
 call per method on the chunk with the longest prompts, then ``repeats`` rounds that each time one
 pass of every method, in an order rotated from round to round (requests at batch B: the first
-max(B, num_prompts) in calls of B; batch 1: the first batch1_prompts, one per call), each pass
+max(pass_calls x B, num_prompts) in calls of B; batch 1: the first batch1_prompts, one per call), each pass
 with a fresh policy, the device synchronised around it and the garbage collector paused during
 it; tokens/s from each method's median pass. Interleaving puts a slow spell of the machine on
 every method alike. ``--merge`` joins runs made at different batch
@@ -91,7 +91,11 @@ class PolicyBenchSettings:
     cuda_graphs: bool | None = None  # CUDA graphs for the target and model drafters; None: on CUDA
     compile: bool | None = None  # torch.compile inside the CUDA graphs; None: with graphs
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
-    num_prompts: int = 64  # requests per workload at batch >= 2 (at least the batch size)
+    num_prompts: int = 64  # requests per workload at batch >= 2 (at least pass_calls x the batch size)
+    # calls of B per timed pass at batch B >= 2, at least: a pass of one call lasts 0.13-0.3 s at
+    # batch 16 and 64, and run 17's machine put its median pass 10% (90th percentile 25%) above
+    # its fastest; a longer pass averages the host's hiccups over more steps
+    pass_calls: int = 1
     batch1_prompts: int = 8  # requests per workload at batch 1, one call each
     # a file's beginning of up to 256 tokens leaves a copy request ~190 tokens of already-seen text
     # to reproduce, more than max_new_tokens: at 128 only ~100 were, and even a perfect copier's
@@ -296,7 +300,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
 
     # workloads: the measured requests, then held-out ones (same generator, later files) for the tau profile
     batch_sizes = sorted(set(settings.batch_sizes), reverse=True)
-    count = max([settings.num_prompts, settings.batch1_prompts] + [b for b in batch_sizes if b > 1])
+    count = max([settings.num_prompts, settings.batch1_prompts] + [measured_size(settings, b) for b in batch_sizes])
     generator = WorkloadGenerator(zoo.heldout_texts(), tokenizer, settings.prompt_tokens, seed=settings.seed)
     workloads = generator.standard(count, settings.workloads, mixed_fraction=settings.mixed_fraction)
     # every held-out request of the profile at every batch size, in calls of at most the largest
@@ -408,7 +412,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
             log(f"time limit of {settings.time_limit_s:.0f} s reached: {len(result['skipped'])} runs skipped")
             break
         workload = workloads[workload_name]
-        size = settings.batch1_prompts if batch == 1 else max(batch, settings.num_prompts)
+        size = measured_size(settings, batch)
         prompts, kinds = workload.prompts(size), np.array([KINDS.index(k) for k in workload.kinds(size)])
         before = _runner_ids(models)
         past = history[workload_name].prompts(history_size(settings, batch)) if history else []
@@ -433,7 +437,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
             result["rows"].append(row)
             units_done += len(prompts) / batch * settings.max_new_tokens
             seconds_done += row["elapsed_s"]
-            left = sum((settings.batch1_prompts if b == 1 else max(b, settings.num_prompts)) / b
+            left = sum(measured_size(settings, b) / b
                        for b, _ in cells[number + 1 :]) * len(grid_methods) * settings.max_new_tokens \
                 * seconds_done / max(units_done, 1e-9)
             log(progress_line(row, result["rows"], number * len(grid_methods) + index, total, elapsed(), left))
@@ -442,6 +446,11 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     result["timings"]["total_s"] = elapsed()
     result["targets"] = policy_targets(result)
     return result
+
+
+def measured_size(settings: PolicyBenchSettings, batch: int) -> int:
+    """Requests each timed pass serves at this batch size (in calls of ``batch``)."""
+    return settings.batch1_prompts if batch == 1 else max(settings.pass_calls * batch, settings.num_prompts)
 
 
 def history_size(settings: PolicyBenchSettings, batch: int) -> int:
@@ -629,7 +638,7 @@ def progress_line(row: dict, rows: list[dict], number: int, total: int, elapsed:
 def estimate(settings: PolicyBenchSettings, num_drafters: int) -> str:
     """What the run will do, in runs and generate() calls (a plan, not a measurement)."""
     num_methods = 1 + num_drafters * len(set(settings.lengths) | {settings.bandit_length}) + 4 + len(BANDIT_VARIANTS)
-    calls = sum(math.ceil((settings.batch1_prompts if b == 1 else max(b, settings.num_prompts)) / b)
+    calls = sum(math.ceil(measured_size(settings, b) / b)
                 for b in settings.batch_sizes)
     runs = num_methods * len(settings.workloads) * len(settings.batch_sizes)
     return (f"plan: {runs} runs ({num_methods} methods x {len(settings.workloads)} workloads x "
@@ -783,13 +792,16 @@ def timing_conditions(settings: dict, cpus: list[int] | None) -> str:
             f"; {history_conditions(settings)}.")
 
 
+def _times_b(calls: int) -> str:
+    return "B" if calls == 1 else f"{calls}B"
+
+
 def history_conditions(settings: dict) -> str:
     """How the learning policies' passes started (results from before the history: fresh)."""
     history = settings.get("history_prompts", 0)
     if not history:
         return "every pass of a learning policy started from a fresh policy"
-    calls = settings.get("history_calls", 1)
-    size = "B" if calls == 1 else f"{calls}B"
+    size = _times_b(settings.get("history_calls", 1))
     return (f"every pass of a learning policy (GoodputPolicy, BanditPolicy) started from its state after serving "
             f"max({size}, {history}) held-out requests at batch B ({settings.get('batch1_prompts', '?')} at batch 1), untimed")
 
@@ -809,7 +821,7 @@ def markdown(result: dict) -> str:
         (f"Zoo `{settings['preset']}` ({result.get('dtype', settings['dtype'])}), drafters {', '.join(result['drafters'])}; "
         f"GoodputPolicy and BatchAdaptivePolicy draft with {result['policy_drafter']}; "
         f"{settings['max_new_tokens']} new tokens, greedy; batch 1: {settings['batch1_prompts']} requests one call "
-        f"each; batch B: max(B, {settings['num_prompts']}) requests in calls of B. "
+        f"each; batch B: max({_times_b(settings.get('pass_calls', 1))}, {settings['num_prompts']}) requests in calls of B. "
         "Every output is compared token for token with plain decoding of the same requests at the same batch size."),
         timing_conditions(settings, result.get("timing_cpus")),
         "",
@@ -999,7 +1011,10 @@ def _unused_difference(key: str, a: dict, b: dict) -> bool:
     """Whether settings ``a`` and ``b`` differ in ``key`` only where neither part used it:
     ``history_prompts`` and ``history_calls`` size the history at batch sizes above 1 alone
     (batch 1 serves batch1_prompts), so a part that measured batch 1 alone may differ from
-    another in them, as long as neither started fresh (0)."""
+    another in them, as long as neither started fresh (0). A part from before ``pass_calls``
+    timed passes of one call at least, as ``pass_calls=1`` does."""
+    if key == "pass_calls":  # results from before --pass-calls timed one call of B at least
+        return a.get(key, 1) == b.get(key, 1)
     if key in ("history_prompts", "history_calls"):
         only_batch_1 = list(a.get("batch_sizes", ())) == [1] or list(b.get("batch_sizes", ())) == [1]
         default = 1 if key == "history_calls" else 0  # results from before --history-calls served one call
@@ -1073,6 +1088,8 @@ def parser() -> argparse.ArgumentParser:
                         "lookup and one model drafter, the tiny profile grid")
     p.add_argument("--batch-sizes", default=",".join(map(str, d.batch_sizes)))
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests per workload at batch >= 2")
+    p.add_argument("--pass-calls", type=int, default=d.pass_calls,
+                   help="at batch B >= 2 a timed pass serves at least this many calls of B requests")
     p.add_argument("--batch1-prompts", type=int, default=d.batch1_prompts)
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -1129,7 +1146,10 @@ def settings_from(args) -> PolicyBenchSettings:
         bandit_times=args.bandit_times, profile_grid=args.profile_grid, time_limit_s=args.time_limit_s, seed=args.seed,
         repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats,
         tau_profile_tokens=args.tau_profile_tokens, timing_threads=args.timing_threads or None,
-        gpu_warmup_ms=args.gpu_warmup_ms, history_prompts=args.history_prompts, history_calls=args.history_calls)
+        gpu_warmup_ms=args.gpu_warmup_ms, history_prompts=args.history_prompts, history_calls=args.history_calls,
+        pass_calls=args.pass_calls)
+    if settings.pass_calls < 1:
+        raise SystemExit(f"--pass-calls must be >= 1, got {settings.pass_calls}")
     if settings.history_prompts < 0 or settings.history_calls < 1:
         raise SystemExit(f"--history-prompts must be >= 0 (0: no history) and --history-calls >= 1, got "
                          f"{settings.history_prompts} and {settings.history_calls}")

@@ -333,6 +333,35 @@ def test_the_history_holds_several_calls_at_each_batch_size():
         settings_from(parser().parse_args(["--history-calls", "0"]))
 
 
+def test_a_pass_holds_pass_calls_calls_at_each_batch_size_above_1(quick_run):
+    """At batch B > 1 a timed pass serves max(pass_calls x B, num_prompts) requests (1 call of B
+    by default, as before --pass-calls); batch 1 serves batch1_prompts; the report says so; a
+    part from before --pass-calls merges with parts of --pass-calls 1 and not of 2; below 1 is refused."""
+    from specdec.bench.policies import markdown, measured_size, parser, settings_from
+
+    default = settings_from(parser().parse_args(["--num-prompts", "16"]))
+    assert default.pass_calls == 1
+    assert [measured_size(default, b) for b in (1, 4, 16, 64)] == [default.batch1_prompts, 16, 16, 64]
+    four = settings_from(parser().parse_args(["--num-prompts", "16", "--pass-calls", "4"]))
+    assert [measured_size(four, b) for b in (1, 4, 16, 64)] == [four.batch1_prompts, 16, 64, 256]
+    with pytest.raises(SystemExit, match="--pass-calls must be >= 1"):
+        settings_from(parser().parse_args(["--pass-calls", "0"]))
+    whole = json.loads(quick_run.read_text())
+    old = {**whole, "settings": {k: v for k, v in whole["settings"].items() if k != "pass_calls"},
+           "rows": [r for r in whole["rows"] if r["batch"] == 8]}
+    old["settings"]["batch_sizes"] = [8]
+    assert "batch B: max(B, " in markdown(old)
+    for calls, merges in ((1, True), (2, False)):
+        new = {**whole, "settings": {**whole["settings"], "batch_sizes": [1], "pass_calls": calls},
+               "rows": [r for r in whole["rows"] if r["batch"] == 1]}
+        if merges:
+            assert merge([old, new])["settings"]["batch_sizes"] == [1, 8]
+        else:
+            with pytest.raises(ValueError, match=r"settings differ in \['pass_calls'\]"):
+                merge([old, new])
+    assert "batch B: max(2B, " in markdown({**old, "settings": {**old["settings"], "pass_calls": 2}})
+
+
 class CallCountingPolicy(FixedPolicy):
     """A FixedPolicy that counts the generate() calls it served; the log holds, per call, the
     count including that call (a copy carries its original's count)."""
