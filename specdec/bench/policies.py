@@ -8,9 +8,9 @@ Order of work: load the zoo and make the workloads; build every runner once at t
 shape any later call needs (on CUDA: compiled and captured; the biggest batch, the longest
 prompt, the longest draft), so no call inside a timed window rebuilds one; profile the
 CostModel on the same device through the same runners (CUDA graphs and compile as generation
-uses them), with the decoding loop's per-step overhead; measure tau per draft length on a few
-held-out requests of each workload and build BatchAdaptivePolicy's table from it and the cost
-model; then, for each batch size (largest first) and workload (a cell): one short untimed warm-up
+uses them), with the decoding loop's per-step overhead; time whole calls of a few held-out
+requests of each workload at each batch size and draft length, for BatchAdaptivePolicy's table
+and (their tau per length) GoodputPolicy's prior; then, for each batch size (largest first) and workload (a cell): one short untimed warm-up
 call per method on the chunk with the longest prompts, then ``repeats`` rounds that each time one
 pass of every method, in an order rotated from round to round (requests at batch B: the first
 max(pass_calls x B, num_prompts) in calls of B; batch 1: the first batch1_prompts, one per call), each pass
@@ -58,7 +58,6 @@ from ..policies import (
     Policy,
     ProfileGrid,
     profile,
-    profile_expected_tokens,
     rate_from_expected_tokens,
 )
 from ..runner import runners_of
@@ -372,23 +371,24 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
             cost_model.save(cost_model_path)
         log(f"{cost_model.describe()}\n(profiled in {result['timings']['profile_s']:.1f} s)")
 
-        # 3. a short tau profile per workload on held-out requests: BatchAdaptivePolicy's table (with the
-        # cost model) and GoodputPolicy's cold-start acceptance rate (without one, a policy that starts
+        # 3. a short measured profile per workload on held-out requests: BatchAdaptivePolicy's table
+        # (tokens per second of whole calls per batch size and length) and, from the same calls' tau
+        # per length, GoodputPolicy's cold-start acceptance rate (without one, a policy that starts
         # at a pessimistic prior may never draft, and so never learn that drafting pays)
         phase = time.perf_counter()
         options = {"eos_token_id": eos, "cuda_graphs": graphs, "compile": compiled}
         context = int(np.mean([len(p) for p in all_prompts])) + settings.max_new_tokens // 2
         tables, priors, result["tau_profile"] = {}, {}, {}
         for name in settings.workloads:
-            expected = profile_expected_tokens(target, drafters[policy_drafter], held_out[name].prompts(),
-                                               range(1, settings.max_draft_tokens + 1), settings.tau_profile_tokens,
-                                               batch_size=max_rows, **options)
             # the table from measured rounds at the experiment's batch sizes (the paper's short profile);
             # the fitted cost model under-predicted speculative steps at batch 64 in the first H200 run
             policy = BatchAdaptivePolicy.from_measurements(
                 target, drafters[policy_drafter], held_out[name].prompts(), batch_sizes=sorted(set(batch_sizes)),
                 draft_lengths=sorted({0, 1, 2, 3, 4, 6, settings.max_draft_tokens}), max_new_tokens=settings.tau_profile_tokens,
                 repeats=settings.tau_profile_repeats, requests_per_size=max(1, settings.profile_prompts), **options)
+            # the prior from the same calls' tau per length, pooled over them (until run 17 a profile
+            # of its own, every length 1..K once more: 40 s of a batch-1 part's 160 s of profile)
+            expected = {s: tau for s, tau in sorted(policy.profile["expected_tokens"].items()) if s > 0}
             tables[name], priors[name] = policy.table, rate_from_expected_tokens(expected)
             result["tau_profile"][name] = {"expected_tokens": {str(k): v for k, v in expected.items()},
                                            "acceptance_rate": priors[name], "context_len": context,
