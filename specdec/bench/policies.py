@@ -1003,8 +1003,11 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
 
 # --- merging runs ----------------------------------------------------------------------------
 # settings that may differ between merged parts: passes are cheap at batch 16 and 64 (a call of
-# 0.1-0.2 s) and a slow spell of the machine lasts seconds, so those parts may time more of them
-MERGEABLE = {"batch_sizes", "time_limit_s", "repeats", "workloads"}
+# 0.1-0.2 s) and a slow spell of the machine lasts seconds, so those parts may time more of them;
+# each part profiles its own batch sizes (BatchAdaptivePolicy's table, GoodputPolicy's prior), and
+# at batch 1 every profiled request is a call of its own (run 17: 160 s of a batch-1 part's 300 s)
+PER_PART = ("time_limit_s", "repeats", "profile_prompts", "tau_profile_repeats")
+MERGEABLE = {"batch_sizes", "workloads", *PER_PART}
 
 
 def _unused_difference(key: str, a: dict, b: dict) -> bool:
@@ -1045,7 +1048,8 @@ def merge(results: list[dict]) -> dict:
         differing += [k for k in ("dtype", "zoo", "drafters", "policy_drafter") if reference.get(k) != other.get(k)]
         if differing:
             raise ValueError(f"cannot merge runs whose settings differ in {differing}: run them with the same options "
-                             "except --batch-sizes, --workloads, --time-limit-s and --repeats")
+                             "except --batch-sizes, --workloads, --time-limit-s, --repeats, --profile-prompts and "
+                             "--profile-repeats")
     seen: dict[tuple[int, str], int] = {}  # (batch, workload) -> the part that measured it
     for i, part in enumerate(results):
         for cell in {(r["batch"], r["workload"]) for r in part["rows"]}:
@@ -1057,7 +1061,7 @@ def merge(results: list[dict]) -> dict:
     merged["settings"]["batch_sizes"] = sorted({batch for batch, _ in seen})
     merged["settings"]["workloads"] = list(dict.fromkeys(w for part in results for w in part["settings"].get("workloads", ())))
     merged["workloads"] = {name: summary for part in results for name, summary in part.get("workloads", {}).items()}
-    for key in ("time_limit_s", "repeats"):  # one per part
+    for key in PER_PART:  # one per part
         merged["settings"][key] = [part["settings"].get(key) for part in results]
     merged["parts"] = [{"environment": part["environment"], "batch_sizes": part["settings"]["batch_sizes"],
                         "timings": part.get("timings", {}), "cost_model": part.get("cost_model"),

@@ -139,10 +139,16 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
     merged = merge([json.loads(parts[i].read_text()) for i in (1, 0)])
     assert merged["settings"]["history_prompts"] == history  # from the part that used it
     parts.pop()
-    # cheap passes may be timed more often in one part: repeats are recorded per part
-    other["settings"] = {**other["settings"], "history_prompts": history, "repeats": 9}
+    # cheap passes may be timed more often in one part, and each part profiles its own batch
+    # sizes: repeats and the profile's size are recorded per part
+    other["settings"] = {**other["settings"], "history_prompts": history, "repeats": 9, "profile_prompts": 3,
+                         "tau_profile_repeats": 2}
     merged = merge([json.loads(p.read_text()) for p in parts[:1]] + [other])
     assert merged["settings"]["repeats"] == [whole["settings"]["repeats"], 9]
+    assert merged["settings"]["profile_prompts"] == [whole["settings"]["profile_prompts"], 3]
+    assert merged["settings"]["tau_profile_repeats"] == [whole["settings"]["tau_profile_repeats"], 2]
+    other["settings"] = {**other["settings"], "profile_prompts": whole["settings"]["profile_prompts"],
+                         "tau_profile_repeats": whole["settings"]["tau_profile_repeats"]}
     assert f"Timing: {whole['settings']['repeats']}/9 (by part) passes per run" in timing_conditions(merged["settings"], None)
     other["settings"] = {**other["settings"], "repeats": whole["settings"]["repeats"], "max_new_tokens": 99}
     parts[1].write_text(json.dumps(other))
