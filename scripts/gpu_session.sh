@@ -12,6 +12,12 @@
 #             16 requests) needs a call of its own on a warm machine, as does batch 1
 #   zoo       only the gpu zoo build (and a short compile of its models), for later calls on the
 #             same machine (it stays warm for about 30 s after a call)
+#   p16-64, p4, p1   the three parts of one policies run, one call each right after the zoo call
+#             (set SPECDEC_ZOO_DIR as the zoo call did; the machine goes back 30 minutes after it
+#             started, and run 17's zoo + parts took 1700 s): batch 64 and 16 (5 passes, passes
+#             of 2 calls), batch 4 (4 passes), batch 1 (4 passes, a profile of 8 requests x 2
+#             rounds); merge with `python -m specdec bench --policies --merge` (a part cut by its
+#             time limit lists its skipped cells)
 #   demo      python -m specdec demo --preset gpu --device cuda
 #   noise     scripts/noise_probe.py: identical passes timed default, pinned, one thread, GPU warmed
 #             (about 1.5 minutes after the zoo build)
@@ -44,5 +50,13 @@ fi
 [[ " $PARTS " =~ " noise " ]] && PYTHONPATH=. python3 scripts/noise_probe.py --out "$OUT" 2>&1 | quiet | tee "$OUT/noise.log" | tail -12
 [[ " $PARTS " =~ " policies " ]] && $RUN -m specdec bench --policies --preset gpu --device cuda \
   ${POLICY_ARGS:---num-prompts 32 --time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
+COMMON="--policies --preset gpu --device cuda --num-prompts 16 --history-prompts 8 --pass-calls 2 --out $OUT"
+[[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
+[[ " $PARTS " =~ " p16-64 " ]] && $RUN -m specdec bench $COMMON --batch-sizes 64,16 --repeats 5 --time-limit-s 430 \
+  --name policies_h200_b16-64 2>&1 | quiet | grep -E "elapsed|wrote|skipped|Error" | tail -4
+[[ " $PARTS " =~ " p4 " ]] && $RUN -m specdec bench $COMMON --batch-sizes 4 --repeats 4 --time-limit-s 330 \
+  --name policies_h200_b4 2>&1 | quiet | grep -E "elapsed|wrote|skipped|Error" | tail -4
+[[ " $PARTS " =~ " p1 " ]] && $RUN -m specdec bench $COMMON --batch-sizes 1 --repeats 4 --time-limit-s 330 \
+  --profile-prompts 8 --profile-repeats 2 --name policies_h200_b1 2>&1 | quiet | grep -E "elapsed|wrote|skipped|Error" | tail -4
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0
