@@ -61,6 +61,13 @@ class Workload:
         """Token ids of the first ``count`` requests (all when None)."""
         return [list(r.token_ids) for r in self.requests[:count]]
 
+    def cycled(self, count: int) -> Workload:
+        """The same workload lengthened (or cut) to ``count`` requests by repeating its own in order."""
+        if not self.requests:
+            raise ValueError(f"workload {self.name!r} has no requests to repeat")
+        requests = [self.requests[i % len(self.requests)] for i in range(count)]
+        return Workload(name=self.name, copy_fraction=self.copy_fraction, seed=self.seed, requests=requests)
+
     def kinds(self, count: int | None = None) -> list[str]:
         return [r.kind for r in self.requests[:count]]
 
@@ -121,15 +128,23 @@ class WorkloadGenerator:
         continuation = Request(file_id, "continuation", body, tuple(self._encode(body)), text[len(body):])
         return copy, continuation
 
-    def pairs(self, count: int, offset: int = 0) -> list[tuple[Request, Request]]:
-        """(copy, continuation) requests of files offset..offset+count-1 in the seeded order
-        (files reused from the first when there are not enough)."""
-        while len(self._pairs) < offset + count and self._next < len(self._order):
+    def available(self, limit: int) -> int:
+        """How many distinct files make requests, counting no further than ``limit``."""
+        self._read_until(limit)
+        return min(len(self._pairs), int(limit))
+
+    def _read_until(self, wanted: int) -> None:
+        while len(self._pairs) < wanted and self._next < len(self._order):
             file_id, text = self.texts[self._order[self._next]]
             self._next += 1
             pair = self._pair(file_id, text)
             if pair is not None:
                 self._pairs.append(pair)
+
+    def pairs(self, count: int, offset: int = 0) -> list[tuple[Request, Request]]:
+        """(copy, continuation) requests of files offset..offset+count-1 in the seeded order
+        (files reused from the first when there are not enough)."""
+        self._read_until(offset + count)
         if not self._pairs:
             raise ValueError(f"none of the {len(self.texts)} texts makes a request of {self.min_tokens}.."
                              f"{self.prompt_tokens} tokens with a shorter repeated beginning")

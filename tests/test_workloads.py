@@ -102,3 +102,18 @@ def test_bad_settings_are_refused(tiny, generator):
         generator.standard(4, names=("mixed", "chat"))
     with pytest.raises(ValueError, match="none of the"):
         WorkloadGenerator([("empty.py", "")], tiny.tokenizer).pairs(1)
+
+
+def test_available_counts_the_files_that_make_requests_and_cycled_repeats_a_workload(tiny):
+    """available(limit): the distinct files that make requests, up to limit (a file too short
+    for a request does not count); cycled(n): the workload's own requests repeated in order."""
+    texts = tiny.heldout_texts()[:12] + [("empty.py", "")]
+    generator = WorkloadGenerator(texts, tiny.tokenizer, prompt_tokens=96, seed=0)
+    total = generator.available(1000)
+    assert 1 <= total <= 12 and generator.available(2) == min(2, total)
+    assert len({r.id for r in generator.workload(0.5, total).requests}) == total  # every one distinct
+    workload = generator.standard(3)["mixed"]
+    longer = workload.cycled(8)
+    assert [r.id for r in longer.requests] == [r.id for r in workload.requests] * 2 + [r.id for r in workload.requests[:2]]
+    assert longer.kinds(3) == workload.kinds() and longer.name == workload.name
+    assert workload.cycled(2).requests == workload.requests[:2]

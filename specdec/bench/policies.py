@@ -308,8 +308,9 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     held_out = generator.standard(profile_rows, settings.workloads, offset=count, mixed_fraction=settings.mixed_fraction)
     # the learning policies' past: more held-out requests, after the profile's
     history_rows = max(history_size(settings, b) for b in batch_sizes)
-    history = generator.standard(history_rows, settings.workloads, offset=count + profile_rows,
-                                 mixed_fraction=settings.mixed_fraction) if history_rows else {}
+    history, history_files = history_workloads(generator, settings, history_rows, first=count + profile_rows)
+    if history_files < history_rows:
+        log(f"the history's {history_rows} requests repeat {history_files} distinct held-out files")
     all_prompts = [p for w in (*workloads.values(), *held_out.values(), *history.values()) for p in w.prompts()]
     # the generator reuses files from the first when it runs out: a profile or history request
     # made from a measured request's file would teach the policies the measured text
@@ -335,6 +336,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         "timings": {},
         "timing_cpus": timing_cpus(settings),  # None: the passes ran unpinned
         "reused_files": len(reused_files),  # measured files also used by the profile or the history (0: none)
+        "history_files": history_files,  # distinct files the history's requests come from
     }
     cpus = result["timing_cpus"]
     for name, workload in workloads.items():
@@ -446,6 +448,21 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     result["timings"]["total_s"] = elapsed()
     result["targets"] = policy_targets(result)
     return result
+
+
+def history_workloads(generator: WorkloadGenerator, settings: PolicyBenchSettings, rows: int,
+                      first: int) -> tuple[dict, int]:
+    """The learning policies' past: ``rows`` requests per workload from the held-out files from
+    ``first`` on (those before are measured or profiled) -> (workloads, distinct files). Where the
+    files run out, the history repeats its own requests rather than come back to the first ones,
+    which the generator would (run 17's batch-64 history of 512 came back to all 64 measured
+    files: about 380 of the gpu zoo's held-out files make 256-token requests). With no file left
+    at all it takes one from the first (the run's reused_files says so)."""
+    if rows <= 0:
+        return {}, 0
+    files = max(0, min(rows, generator.available(first + rows) - first))
+    workloads = generator.standard(max(files, 1), settings.workloads, offset=first, mixed_fraction=settings.mixed_fraction)
+    return {name: workload.cycled(rows) for name, workload in workloads.items()}, files
 
 
 def measured_size(settings: PolicyBenchSettings, batch: int) -> int:

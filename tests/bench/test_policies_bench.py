@@ -368,6 +368,28 @@ def test_a_pass_holds_pass_calls_calls_at_each_batch_size_above_1(quick_run):
     assert "batch B: max(2B, " in markdown({**old, "settings": {**old["settings"], "pass_calls": 2}})
 
 
+def test_the_history_repeats_its_own_files_rather_than_come_back_to_the_measured_ones(tiny_zoo_root):
+    """When the held-out files run out, history_workloads repeats the history's own requests: none
+    comes from a file before ``first`` (measured or profiled), and each workload has the rows asked."""
+    from specdec.bench.policies import PolicyBenchSettings, history_workloads
+    from specdec.workloads import WorkloadGenerator
+    from specdec.zoo import load
+
+    tiny = load("tiny", out=tiny_zoo_root / "tiny")
+    generator = WorkloadGenerator(tiny.heldout_texts(), tiny.tokenizer, prompt_tokens=96, seed=0)
+    total = generator.available(10_000)
+    first = total - 3  # three files left for the history
+    earlier = {r.id for r in generator.standard(first)["mixed"].requests}
+    history, files = history_workloads(generator, PolicyBenchSettings(), 20, first=first)
+    assert files == 3 and set(history) == set(PolicyBenchSettings().workloads)
+    for workload in history.values():
+        ids = [r.id for r in workload.requests]
+        assert len(ids) == 20 and len(set(ids)) == 3 and not set(ids) & earlier
+    roomy, files = history_workloads(generator, PolicyBenchSettings(), 2, first=0)  # enough files: distinct ones
+    assert files == 2 and len({r.id for r in roomy["copy"].requests}) == 2
+    assert history_workloads(generator, PolicyBenchSettings(), 0, first=0) == ({}, 0)
+
+
 class CallCountingPolicy(FixedPolicy):
     """A FixedPolicy that counts the generate() calls it served; the log holds, per call, the
     count including that call (a copy carries its original's count)."""
