@@ -50,13 +50,16 @@ fi
 [[ " $PARTS " =~ " noise " ]] && PYTHONPATH=. python3 scripts/noise_probe.py --out "$OUT" 2>&1 | quiet | tee "$OUT/noise.log" | tail -12
 [[ " $PARTS " =~ " policies " ]] && $RUN -m specdec bench --policies --preset gpu --device cuda \
   ${POLICY_ARGS:---num-prompts 32 --time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
-COMMON="--policies --preset gpu --device cuda --num-prompts 16 --history-prompts 8 --pass-calls 2 --out $OUT"
+# one part of a policies run: policies_part NAME ARGS... (full log under $OUT, progress lines shown)
+policies_part() {
+  local name=$1; shift
+  $RUN -m specdec bench --policies --preset gpu --device cuda --num-prompts 16 --history-prompts 8 --pass-calls 2 \
+    --out "$OUT" --name "policies_h200_$name" "$@" 2>&1 | tee "$OUT/policies_$name.log" \
+    | grep -E "elapsed|wrote|skipped|warning:|Error" | tail -6
+}
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
-[[ " $PARTS " =~ " p16-64 " ]] && $RUN -m specdec bench $COMMON --batch-sizes 64,16 --repeats 5 --time-limit-s 430 \
-  --name policies_h200_b16-64 2>&1 | tee "$OUT/policies_b16-64.log" | grep -E "elapsed|wrote|skipped|warning:|Error" | tail -6
-[[ " $PARTS " =~ " p4 " ]] && $RUN -m specdec bench $COMMON --batch-sizes 4 --repeats 4 --time-limit-s 330 \
-  --name policies_h200_b4 2>&1 | tee "$OUT/policies_b4.log" | grep -E "elapsed|wrote|skipped|warning:|Error" | tail -6
-[[ " $PARTS " =~ " p1 " ]] && $RUN -m specdec bench $COMMON --batch-sizes 1 --repeats 4 --time-limit-s 330 \
-  --profile-prompts 8 --profile-repeats 2 --name policies_h200_b1 2>&1 | tee "$OUT/policies_b1.log" | grep -E "elapsed|wrote|skipped|warning:|Error" | tail -6
+[[ " $PARTS " =~ " p16-64 " ]] && policies_part b16-64 --batch-sizes 64,16 --repeats 5 --time-limit-s 430
+[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 4 --time-limit-s 330
+[[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 4 --time-limit-s 330 --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0

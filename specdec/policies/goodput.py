@@ -759,7 +759,7 @@ class GoodputPolicy(Policy):
         16) lands on the first step of its interval whether that step drafts or not; at the tail
         of a call, where rows finishing bring decisions forward every few steps, it made up
         half of the few drafting samples and read as drafting costing twice what it does."""
-        return float(record.step_time_s) - float(getattr(record, "plan_time_s", 0.0) or 0.0)
+        return float(record.step_time_s) - float(record.plan_time_s)
 
     @staticmethod
     def _drafter_ran(record: StepRecord) -> bool:
