@@ -110,6 +110,16 @@ BATCH_FINISH_QUANTILE = 0.25  # batch scope, objective "finish": the share of dr
 # the fifth call) outweighs a drafter 0.64 as fast; at 0.3 (0.35) it does not, though it still
 # outweighs one 0.86 as fast (run 16: after 4 calls of history, the timed passes went back to such drafters)
 CALL_EXPLORATION = 0.3
+# objective "call": the prior's pseudo-pulls spread 0.7 of the widest (a standard deviation of 0.35
+# of the best call's reward, not 0.5). At 1.0 an arm with one call behind it reads as noisy as a
+# coin, and at the ninth call a drafter 0.69 as fast (run 17, continuation b16) still outweighed
+# the best drafter's six calls; at 0.7 the ninth call goes back to one above about 0.77. Simulated
+# (3 drafters 3-40% apart, per-call noise 3% or 8% with slow spells in 5% of calls, 300 seeds):
+# the two calls after 8 read 0.96-0.99 of the best on average instead of 0.87-0.98, regret over
+# 500 calls fell from 2.0-2.6 to 1.4-2.0 calls' worth, and the best drafter played under half of
+# calls 100-500 in at most 1% of seeds either way; at 20% noise with 10% slow spells that rose
+# from 0-14% of seeds to 1-20% (0.5: up to 28%).
+CALL_PRIOR_SPREAD = 0.7
 MAX_JOINT_DRAFTERS = 6  # joint scope enumerates the 2^D - 1 subsets of drafters
 MIN_STEP_S = 1e-9  # predicted step times are floored here (nothing measured yet: all times 0)
 
@@ -126,17 +136,23 @@ class BanditState:
     pseudo-pulls at 0.5: an arm whose rewards barely vary needs far fewer pulls to be told from
     one a few percent better, as tokens per second over a batch's step do; the empirical-variance
     idea of UCB-V, Audibert et al. 2009, without its range term). epoch_length: slots of the first
-    epoch ("epoch"); max_explore_fraction: the most of an epoch spent exploring.
+    epoch ("epoch"); max_explore_fraction: the most of an epoch spent exploring. prior_spread
+    ("variance"): the pseudo-pulls' spread as a share of the widest, in (0, 1] (1: an untried
+    spread reads as a fair coin's; less, for rewards known to be steadier, such as whole calls).
     """
 
     def __init__(self, num_bandits: int, num_arms: int, strategy: str = "ucb", exploration: float = 1.0,
-                 epoch_length: int = 8, max_explore_fraction: float = 0.5, confidence: str = "range"):
+                 epoch_length: int = 8, max_explore_fraction: float = 0.5, confidence: str = "range",
+                 prior_spread: float = 1.0):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if confidence not in CONFIDENCES:
             raise ValueError(f"confidence must be one of {CONFIDENCES}, got {confidence!r}")
         if num_arms < 1:
             raise ValueError("a bandit needs at least one arm")
+        if not 0.0 < prior_spread <= 1.0:
+            raise ValueError(f"prior_spread must be in (0, 1] (a share of the widest spread), got {prior_spread!r}")
+        self.prior_spread = float(prior_spread)
         self.strategy, self.exploration, self.confidence = strategy, float(exploration), confidence
         self.epoch_length, self.max_explore_fraction = int(epoch_length), float(max_explore_fraction)
         self.num_arms = num_arms
@@ -171,12 +187,13 @@ class BanditState:
 
     def spread(self, half_range: np.ndarray | float) -> np.ndarray | float:
         """[N, A] s of the confidence radius: 1 for "range"; for "variance" each arm's standard
-        deviation (PRIOR_SPREAD_PULLS pseudo-pulls at ``half_range``) over ``half_range``."""
+        deviation (PRIOR_SPREAD_PULLS pseudo-pulls at prior_spread x ``half_range``) over ``half_range``."""
         if self.confidence == "range":
             return 1.0
         n = self.counts
         deviations = np.maximum(self.squares - n * self.raw_means() ** 2, 0.0)  # [N, A] sum of squared deviations
-        variance = (deviations + PRIOR_SPREAD_PULLS * np.square(half_range)) / (np.maximum(n - 1, 0) + PRIOR_SPREAD_PULLS)
+        prior = PRIOR_SPREAD_PULLS * np.square(self.prior_spread * half_range)
+        variance = (deviations + prior) / (np.maximum(n - 1, 0) + PRIOR_SPREAD_PULLS)
         return np.sqrt(variance) / half_range
 
     def _radius(self, half_range: np.ndarray | float | None = None) -> np.ndarray:
@@ -486,7 +503,8 @@ class BanditPolicy(Policy):
         if confidence not in CONFIDENCES:
             raise ValueError(f"confidence must be one of {CONFIDENCES}, got {confidence!r}")
         self._options = {"strategy": strategy, "exploration": exploration, "epoch_length": epoch_length,
-                         "max_explore_fraction": max_explore_fraction, "confidence": confidence}
+                         "max_explore_fraction": max_explore_fraction, "confidence": confidence,
+                         "prior_spread": CALL_PRIOR_SPREAD if objective == "call" else 1.0}
         self.bandits: BanditState | None = None
         self._batch = None
         if not is_int_at_least(warm_start, 0):
