@@ -1135,6 +1135,9 @@ def parser() -> argparse.ArgumentParser:
                    help="at batch B > 1 the history holds at least this many calls of B requests")
     p.add_argument("--tau-profile-tokens", type=int, default=d.tau_profile_tokens,
                    help="new tokens per request of the tau profile (GoodputPolicy's prior, BatchAdaptivePolicy's table)")
+    p.add_argument("--profile-prompts", type=int, default=d.profile_prompts,
+                   help="held-out requests the profile times at each batch size (at least the batch size; at batch 1 "
+                        "each its own call)")
     p.add_argument("--profile-repeats", dest="tau_profile_repeats", type=int, default=d.tau_profile_repeats,
                    help="measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median); --quick: 1")
     p.add_argument("--pin-cpu", action="store_true",
@@ -1168,7 +1171,9 @@ def settings_from(args) -> PolicyBenchSettings:
         repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats,
         tau_profile_tokens=args.tau_profile_tokens, timing_threads=args.timing_threads or None,
         gpu_warmup_ms=args.gpu_warmup_ms, history_prompts=args.history_prompts, history_calls=args.history_calls,
-        pass_calls=args.pass_calls)
+        pass_calls=args.pass_calls, profile_prompts=args.profile_prompts)
+    if settings.profile_prompts < 1:
+        raise SystemExit(f"--profile-prompts must be >= 1, got {settings.profile_prompts}")
     if settings.pass_calls < 1:
         raise SystemExit(f"--pass-calls must be >= 1, got {settings.pass_calls}")
     if settings.history_prompts < 0 or settings.history_calls < 1:
