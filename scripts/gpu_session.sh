@@ -14,9 +14,9 @@
 #             same machine (it stays warm for about 30 s after a call)
 #   p16-64, p4, p1   the three parts of one policies run, one call each right after the zoo call
 #             (set SPECDEC_ZOO_DIR as the zoo call did; the machine goes back 30 minutes after it
-#             started, and run 17's zoo + parts took 1700 s): batch 64 and 16 (5 passes, passes
-#             of 2 calls), batch 4 (4 passes), batch 1 (4 passes, a profile of 8 requests x 2
-#             rounds); merge with `python -m specdec bench --policies --merge` (a part cut by its
+#             started; run 18's zoo + parts held it 1700 s): batch 64 and 16 (4 passes of 2 calls:
+#             run 18's 5 ran out of time before continuation b16), batch 4 (4 passes), batch 1 (4
+#             passes, a profile of 8 requests x 2 rounds); merge with `python -m specdec bench --policies --merge` (a part cut by its
 #             time limit lists its skipped cells)
 #   demo      python -m specdec demo --preset gpu --device cuda
 #   noise     scripts/noise_probe.py: identical passes timed default, pinned, one thread, GPU warmed
@@ -58,8 +58,8 @@ policies_part() {
     | grep -E "elapsed|wrote|skipped|warning:|Error" | tail -6
 }
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
-[[ " $PARTS " =~ " p16-64 " ]] && policies_part b16-64 --batch-sizes 64,16 --repeats 5 --time-limit-s 430
+[[ " $PARTS " =~ " p16-64 " ]] && policies_part b16-64 --batch-sizes 64,16 --repeats 4 --time-limit-s 480
 [[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 4 --time-limit-s 330
-[[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 4 --time-limit-s 330 --profile-prompts 8 --profile-repeats 2
+[[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 4 --time-limit-s 300 --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0
