@@ -793,6 +793,36 @@ def fastest_pass_rows(rows: list[dict]) -> list[dict]:
             else r for r in rows]
 
 
+SAME_DRAFT_TOLERANCE = 0.02  # mean draft tokens within which a policy's run counts as a fixed pair's double
+
+
+def same_decision_pairs(rows: list[dict]) -> list[dict]:
+    """An A/A check of the timing: every policy run (GoodputPolicy, BatchAdaptivePolicy) that
+    took as many steps as a fixed pair of its one drafter, with the same mean draft length
+    (within SAME_DRAFT_TOLERANCE tokens), so that both did the same decoding work (a
+    BatchAdaptivePolicy whose table holds that pair's length, typically). Their ratio should be
+    1 up to the machine's noise. Runs 10-18 held 40 such pairs, all BatchAdaptivePolicy: 0.81-1.08
+    from the median pass (11 of 40 below 0.95) and 0.96-1.12 from the fastest (none below 0.95).
+    On those machines a 5% gap between two runs' median passes is within the noise of one.
+    -> [{workload, batch, method, fixed, median_ratio, fastest_ratio (None without passes)}]."""
+    usable = [r for r in rows if not r.get("error") and r.get("steps")]
+    fixed = [r for r in usable if r["family"] == "fixed"]
+    pairs = []
+    for run in usable:
+        if run["family"] not in ("goodput", "batch_adaptive") or len(run["drafters"]) != 1:
+            continue
+        twin = next((f for f in fixed if (f["workload"], f["batch"], f["drafters"], f["steps"]) ==
+                     (run["workload"], run["batch"], run["drafters"], run["steps"])
+                     and abs(f["mean_draft_tokens"] - run["mean_draft_tokens"]) <= SAME_DRAFT_TOLERANCE), None)
+        if twin is None:
+            continue
+        passes = run.get("pass_seconds") and twin.get("pass_seconds")
+        pairs.append({"workload": run["workload"], "batch": run["batch"], "method": run["method"], "fixed": twin["method"],
+                      "median_ratio": run["tokens_per_s"] / twin["tokens_per_s"],
+                      "fastest_ratio": min(twin["pass_seconds"]) / min(run["pass_seconds"]) if passes else None})
+    return pairs
+
+
 def timing_conditions(settings: dict, cpus: list[int] | None) -> str:
     """One line on how the passes were timed (results written before a setting existed: its old
     behaviour, i.e. threads as they were and no GPU warm-up)."""
@@ -890,6 +920,14 @@ def markdown(result: dict) -> str:
                   "|---|---|---|---|"]
         for t in fastest:
             lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {_by_batch(t)} |")
+    twins = same_decision_pairs(rows)
+    if twins:
+        lines += ["", "A/A check: policy runs that did a fixed pair's decoding work (as many steps, the same mean "
+                  "draft length), so their ratio measures the timing's noise, not the policy:", "",
+                  "| workload | batch | policy | fixed pair | ratio, median pass | ratio, fastest pass |", "|---|---|---|---|---|---|"]
+        for t in twins:
+            fastest_ratio = "-" if t["fastest_ratio"] is None else f"{t['fastest_ratio']:.3f}"
+            lines.append(f"| {t['workload']} | {t['batch']} | {t['method']} | {t['fixed']} | {t['median_ratio']:.3f} | {fastest_ratio} |")
     for workload in dict.fromkeys(r["workload"] for r in rows):
         lines += ["", f"## Tokens/s against plain decoding, workload `{workload}`", "",
                   "| method | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]

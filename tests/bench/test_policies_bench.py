@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from specdec.__main__ import main
-from specdec.bench.policies import kind_oracle_bound, markdown, merge, policy_targets, timing_conditions
+from specdec.bench.policies import (kind_oracle_bound, markdown, merge, policy_targets, same_decision_pairs,
+                                    timing_conditions)
 from specdec.policies import CostModel, FixedPolicy
 
 
@@ -276,6 +277,35 @@ def test_kind_oracle_bound_mixes_the_best_drafter_per_kind_against_the_best_sing
     skewed = kind_oracle_bound({"settings": {"bandit_length": 4, "mixed_fraction": 0.9}, "rows": rows})
     assert skewed[1] == pytest.approx(mix_f(100.0, 80.0, 0.9) / max(mix_f(100.0, 50.0, 0.9), mix_f(60.0, 80.0, 0.9)))
     assert kind_oracle_bound({"rows": []}) == {}
+
+
+def test_the_a_a_check_pairs_policy_runs_with_the_fixed_pair_that_did_their_work():
+    """BatchAdaptivePolicy at batch 8 took the steps and mean draft of drafter d's k=4 (within
+    0.02 tokens): paired, with the ratio of median tokens/s and of fastest passes. At batch 1
+    it drafted 0.1 tokens more than k=4 (a different length somewhere): no pair; GoodputPolicy
+    with as many steps but another drafter's name: no pair; a bandit (several drafters): never."""
+    def run(family, batch, tokens_per_s, steps, mean_draft, passes, drafters=("d",), length=4, variant=""):
+        row = _row("mixed", batch, family, tokens_per_s, variant=variant, drafters=drafters, length=length)
+        return {**row, "steps": steps, "mean_draft_tokens": mean_draft, "pass_seconds": passes,
+                "tokens": tokens_per_s * passes[len(passes) // 2]}
+
+    rows = [run("fixed", 8, 200.0, 40, 3.95, [1.0, 1.1, 1.3]),
+            run("fixed", 1, 100.0, 50, 3.90, [2.0, 2.1]),
+            run("batch_adaptive", 8, 180.0, 40, 3.96, [1.05, 1.2, 1.25], length=8),
+            run("batch_adaptive", 1, 100.0, 50, 4.00, [2.0, 2.1], length=8),
+            run("goodput", 8, 190.0, 40, 3.95, [1.0, 1.1], drafters=("e",), length=8, variant="finish"),
+            run("bandit", 8, 190.0, 40, 3.95, [1.0, 1.1], drafters=("d", "e"), variant="ucb")]
+    pairs = same_decision_pairs(rows)
+    assert len(pairs) == 1
+    pair = pairs[0]
+    assert (pair["batch"], pair["method"], pair["fixed"]) == (8, rows[2]["method"], rows[0]["method"])
+    assert pair["median_ratio"] == pytest.approx(0.9) and pair["fastest_ratio"] == pytest.approx(1.0 / 1.05)
+    report = markdown({"environment": {"command": "c", "commit": "abc", "time": "now", "cpu": "x", "torch": "2",
+                                       "transformers": "5", "specdec": "0.1"},
+                       "settings": {"preset": "tiny", "dtype": "auto", "max_new_tokens": 8, "batch1_prompts": 2,
+                                    "num_prompts": 8}, "drafters": ["d", "e"], "policy_drafter": "d", "rows": rows})
+    assert f"| mixed | 8 | {rows[2]['method']} | {rows[0]['method']} | 0.900 | 0.952 |" in report
+    assert same_decision_pairs([r for r in rows if r["family"] != "fixed"]) == []
 
 
 def mix_f(copy, continuation, fraction):
