@@ -56,9 +56,15 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     # the history (--quick: 4 held-out requests, 2 at batch 1) taught each learning policy before its passes
     assert all(0.0 <= r["learnt_at_start"]["cold_start_rate"] <= 1.0 for r in goodput)
     given = {w: t["acceptance_rate"] for w, t in result["tau_profile"].items()}  # the prior each policy was made with
-    # (a GoodputPolicy that found drafting not worth it on this CPU's timings learns nothing: at least one per cell learns)
+    # every GoodputPolicy learnt from its history: its acceptance prior moved, or (one that found drafting not worth it
+    # on this CPU's timings, as happens on a loaded machine, and so learnt no acceptance) its step-time calibration
+    # holds scales, which a fresh policy's does not
+    def taught(state, workload):
+        return (state["cold_start_rate"] != pytest.approx(given[workload])
+                or bool(state.get("base_scale")) or bool(state.get("extra_scale")))
+    assert all(taught(r["learnt_at_start"], r["workload"]) for r in goodput)
     moved = {(r["workload"], r["batch"]) for r in goodput if r["learnt_at_start"]["cold_start_rate"] != pytest.approx(given[r["workload"]])}
-    assert moved == {(r["workload"], r["batch"]) for r in goodput}
+    assert moved  # and at least one learnt acceptance
     assert result["reused_files"] == 0  # no profile or history request shares a file with a measured one
     batch_bandits = [r for r in rows if r["variant"] in ("batch-level", "batch-finish", "batch-call")]
     assert batch_bandits and all(sum(r["learnt_at_start"]["pulls"]) > 0 for r in batch_bandits)
