@@ -797,19 +797,21 @@ SAME_DRAFT_TOLERANCE = 0.02  # mean draft tokens within which a policy's run cou
 
 
 def same_decision_pairs(rows: list[dict]) -> list[dict]:
-    """An A/A check of the timing: every policy run (GoodputPolicy, BatchAdaptivePolicy) that
-    took as many steps as a fixed pair of its one drafter, with the same mean draft length
-    (within SAME_DRAFT_TOLERANCE tokens), so that both did the same decoding work (a
-    BatchAdaptivePolicy whose table holds that pair's length, typically). Their ratio should be
-    1 up to the machine's noise. Runs 10-18 held 40 such pairs, all BatchAdaptivePolicy: 0.81-1.08
-    from the median pass (11 of 40 below 0.95) and 0.96-1.12 from the fastest (none below 0.95).
-    On those machines a 5% gap between two runs' median passes is within the noise of one.
+    """An A/A check of the timing: every BatchAdaptivePolicy run that took as many steps as a
+    fixed pair of its drafter, with the same mean draft length (within SAME_DRAFT_TOLERANCE
+    tokens), so that both did the same decoding work (its table held that pair's length).
+    BatchAdaptivePolicy only: its lengths follow its table, so every pass does the same work,
+    where GoodputPolicy's choices may differ from pass to pass (the counts are the median
+    pass's). Runs whose output differed from plain decoding are left out. Their ratio should
+    be 1 up to the machine's noise. The main files of runs 10-18 held 40 such pairs: 0.81-1.08
+    from the median pass (11 of 40 below 0.95) and 0.96-1.12 from the fastest (none below
+    0.95). On those machines a 5% gap between two runs' median passes is within the noise of one.
     -> [{workload, batch, method, fixed, median_ratio, fastest_ratio (None without passes)}]."""
-    usable = [r for r in rows if not r.get("error") and r.get("steps")]
+    usable = [r for r in rows if not r.get("error") and r.get("steps") and r.get("identical") is not False]
     fixed = [r for r in usable if r["family"] == "fixed"]
     pairs = []
     for run in usable:
-        if run["family"] not in ("goodput", "batch_adaptive") or len(run["drafters"]) != 1:
+        if run["family"] != "batch_adaptive":
             continue
         twin = next((f for f in fixed if (f["workload"], f["batch"], f["drafters"], f["steps"]) ==
                      (run["workload"], run["batch"], run["drafters"], run["steps"])
@@ -922,8 +924,8 @@ def markdown(result: dict) -> str:
             lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {_by_batch(t)} |")
     twins = same_decision_pairs(rows)
     if twins:
-        lines += ["", "A/A check: policy runs that did a fixed pair's decoding work (as many steps, the same mean "
-                  "draft length), so their ratio measures the timing's noise, not the policy:", "",
+        lines += ["", "A/A check: BatchAdaptivePolicy runs that did a fixed pair's decoding work (as many steps, the "
+                  "same mean draft length), so their ratio measures the timing's noise, not the policy:", "",
                   "| workload | batch | policy | fixed pair | ratio, median pass | ratio, fastest pass |", "|---|---|---|---|---|---|"]
         for t in twins:
             fastest_ratio = "-" if t["fastest_ratio"] is None else f"{t['fastest_ratio']:.3f}"
@@ -1229,9 +1231,9 @@ def settings_from(args) -> PolicyBenchSettings:
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
                  "num_model_drafters": 1, "profile_grid": "tiny", "repeats": 1,
                  "prompt_tokens": 128, "tau_profile_repeats": 1, "tau_profile_tokens": 32, "history_prompts": 4,
-                 "history_calls": 1}
+                 "history_calls": 1, "profile_prompts": 4}
         chosen = {k: v for k, v in quick.items() if getattr(args, k) == getattr(defaults, k)}
-        settings = replace(settings, **chosen, profile_prompts=4, max_new_tokens=min(settings.max_new_tokens, 32))
+        settings = replace(settings, **chosen, max_new_tokens=min(settings.max_new_tokens, 32))
     unknown = set(settings.workloads) - set(STANDARD)
     if unknown:
         raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {sorted(STANDARD)}")

@@ -287,31 +287,40 @@ def test_kind_oracle_bound_mixes_the_best_drafter_per_kind_against_the_best_sing
 
 def test_the_a_a_check_pairs_policy_runs_with_the_fixed_pair_that_did_their_work():
     """BatchAdaptivePolicy at batch 8 took the steps and mean draft of drafter d's k=4 (within
-    0.02 tokens): paired, with the ratio of median tokens/s and of fastest passes. At batch 1
-    it drafted 0.1 tokens more than k=4 (a different length somewhere): no pair; GoodputPolicy
-    with as many steps but another drafter's name: no pair; a bandit (several drafters): never."""
-    def run(family, batch, tokens_per_s, steps, mean_draft, passes, drafters=("d",), length=4, variant=""):
+    0.02 tokens): paired, with the ratio of median tokens/s and of fastest passes. Not paired:
+    at batch 1 it drafted 0.1 tokens more than k=4; at batch 2 as many steps as no fixed pair
+    (one with the same mean draft took 45); at batch 4 a fixed pair of the same work but
+    another drafter, or one that failed, or a run whose output differed; GoodputPolicy (its
+    choices may differ from pass to pass) and bandits, whatever their counts."""
+    def run(family, batch, tokens_per_s, steps, mean_draft, passes, drafters=("d",), length=4, variant="", **extra):
         row = _row("mixed", batch, family, tokens_per_s, variant=variant, drafters=drafters, length=length)
         return {**row, "steps": steps, "mean_draft_tokens": mean_draft, "pass_seconds": passes,
-                "tokens": tokens_per_s * passes[len(passes) // 2]}
+                "tokens": tokens_per_s * passes[len(passes) // 2], **extra}
 
     rows = [run("fixed", 8, 200.0, 40, 3.95, [1.0, 1.1, 1.3]),
             run("fixed", 1, 100.0, 50, 3.90, [2.0, 2.1]),
+            run("fixed", 2, 100.0, 45, 3.90, [2.0, 2.1]),
+            run("fixed", 4, 100.0, 30, 3.90, [2.0, 2.1], drafters=("e",)),
+            run("fixed", 4, 100.0, 30, 3.90, [2.0, 2.1], error="RuntimeError: boom"),
             run("batch_adaptive", 8, 180.0, 40, 3.96, [1.05, 1.2, 1.25], length=8),
             run("batch_adaptive", 1, 100.0, 50, 4.00, [2.0, 2.1], length=8),
-            run("goodput", 8, 190.0, 40, 3.95, [1.0, 1.1], drafters=("e",), length=8, variant="finish"),
+            run("batch_adaptive", 2, 100.0, 44, 3.90, [2.0, 2.1], length=8),
+            run("batch_adaptive", 4, 100.0, 30, 3.90, [2.0, 2.1], length=8),
+            run("goodput", 8, 190.0, 40, 3.95, [1.0, 1.1], length=8, variant="finish"),
             run("bandit", 8, 190.0, 40, 3.95, [1.0, 1.1], drafters=("d", "e"), variant="ucb")]
     pairs = same_decision_pairs(rows)
     assert len(pairs) == 1
     pair = pairs[0]
-    assert (pair["batch"], pair["method"], pair["fixed"]) == (8, rows[2]["method"], rows[0]["method"])
+    assert (pair["batch"], pair["method"], pair["fixed"]) == (8, rows[5]["method"], rows[0]["method"])
     assert pair["median_ratio"] == pytest.approx(0.9) and pair["fastest_ratio"] == pytest.approx(1.0 / 1.05)
     report = markdown({"environment": {"command": "c", "commit": "abc", "time": "now", "cpu": "x", "torch": "2",
                                        "transformers": "5", "specdec": "0.1"},
                        "settings": {"preset": "tiny", "dtype": "auto", "max_new_tokens": 8, "batch1_prompts": 2,
                                     "num_prompts": 8}, "drafters": ["d", "e"], "policy_drafter": "d", "rows": rows})
-    assert f"| mixed | 8 | {rows[2]['method']} | {rows[0]['method']} | 0.900 | 0.952 |" in report
+    assert f"| mixed | 8 | {rows[5]['method']} | {rows[0]['method']} | 0.900 | 0.952 |" in report
     assert same_decision_pairs([r for r in rows if r["family"] != "fixed"]) == []
+    rows[5]["identical"] = False  # an output that differed from plain decoding: not a timing check
+    assert same_decision_pairs(rows) == []
 
 
 def mix_f(copy, continuation, fraction):
@@ -330,17 +339,22 @@ def test_the_report_renders_synthetic_results():
 
 
 def test_the_profile_and_pinning_options_reach_the_settings():
-    """--tau-profile-tokens, --profile-repeats and --pin-cpu set their fields; --quick keeps an
-    option given explicitly; a count below 1 is refused before anything is built."""
+    """--tau-profile-tokens, --profile-repeats, --profile-prompts and --pin-cpu set their fields;
+    --quick keeps an option given explicitly; a count below 1 is refused before anything is built."""
     from specdec.bench.policies import parser, settings_from
 
-    settings = settings_from(parser().parse_args(["--tau-profile-tokens", "128", "--profile-repeats", "5", "--pin-cpu"]))
+    settings = settings_from(parser().parse_args(["--tau-profile-tokens", "128", "--profile-repeats", "5", "--pin-cpu",
+                                                  "--profile-prompts", "8"]))
     assert (settings.tau_profile_tokens, settings.tau_profile_repeats, settings.pin_cpu) == (128, 5, True)
+    assert settings.profile_prompts == 8
     default = settings_from(parser().parse_args([]))
     assert (default.tau_profile_tokens, default.tau_profile_repeats, default.pin_cpu, default.prompt_tokens) == (128, 3, False, 256)
+    assert default.profile_prompts == 16
     quick = settings_from(parser().parse_args(["--quick", "--profile-repeats", "2"]))
     assert quick.tau_profile_repeats == 2 and quick.prompt_tokens == 128 and quick.tau_profile_tokens == 32
-    for option in ("--tau-profile-tokens", "--profile-repeats", "--repeats"):
+    assert quick.profile_prompts == 4
+    assert settings_from(parser().parse_args(["--quick", "--profile-prompts", "6"])).profile_prompts == 6
+    for option in ("--tau-profile-tokens", "--profile-repeats", "--repeats", "--profile-prompts"):
         with pytest.raises(SystemExit, match="must be >= 1"):
             settings_from(parser().parse_args([option, "0"]))
 
