@@ -612,6 +612,11 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
     by_kind_steps = sum(t.row_steps for t in tallies)
     drafted = sum(t.drafted_tokens for t in tallies)
     drafting = sum(t.drafting for t in tallies)  # [kinds, drafters]
+    # every pass's steps and mean draft, in pass order: whether an adaptive policy's choices moved with a pass's
+    # timing (a slow pass that drafted less), and whether two runs did the same work in every pass
+    pass_steps = [int(sum(out.stats.steps for out in outs)) for _, outs, *_ in passes]
+    pass_mean_draft = [float(sum(t.drafted_tokens for t in tals).sum() / max(sum(t.row_steps for t in tals).sum(), 1))
+                       for _, _, tals, *_ in passes]
     use = {}
     for k, kind in enumerate(KINDS):
         if by_kind_steps[k] > 0 and method.drafters:
@@ -625,6 +630,8 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
                                       if by_kind_steps[k] > 0},
         "drafter_use": use,  # per kind: fraction of row-steps in which each drafter proposed
         "pass_seconds": timings,
+        "pass_steps": pass_steps,
+        "pass_mean_draft_tokens": pass_mean_draft,
         # per step of the median pass's first call: [active rows, longest draft, mean draft, drafters used, ms,
         # plan ms] (results before run 18 hold the first five)
         **({"trace": tallies[0].trace} if method.family != "fixed" else {}),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specdec.__main__ import main
@@ -46,6 +47,13 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert sum(1 for r in rows if r["family"] == "fixed") == 4 * 3 * 2
     # two timed passes per run, tokens/s from their median; both passes' outputs checked
     assert all(len(r["pass_seconds"]) == 2 and r["passes_agree"] and r["policy_ms_per_step"] > 0 for r in rows)
+    # every pass's steps and mean draft; the row's own are the median pass's (the slower of two)
+    assert all(len(r["pass_steps"]) == len(r["pass_mean_draft_tokens"]) == 2 for r in rows)
+    slower = [int(np.argmax(r["pass_seconds"])) for r in rows]
+    assert all(r["pass_steps"][i] == r["steps"] and r["pass_mean_draft_tokens"][i] == pytest.approx(r["mean_draft_tokens"])
+               for r, i in zip(rows, slower))
+    assert all(r["pass_mean_draft_tokens"] == [0.0, 0.0] for r in rows if r["family"] == "plain")
+    assert all(r["pass_steps"][0] == r["pass_steps"][1] for r in rows if r["family"] == "fixed")  # fixed work every pass
     # every adaptive run traces its steps: [active rows, longest draft, mean draft, drafters used, ms]
     traced = [r for r in rows if r["family"] != "fixed"]
     assert traced and all(r["trace"] and all(len(t) == 6 and t[0] >= 1 and t[4] > t[5] >= 0 for t in r["trace"]) for r in traced)
@@ -462,7 +470,6 @@ def test_a_learning_policy_serves_the_history_and_each_pass_starts_from_a_copy()
     calls) after its warm-up call, and each of the 2 timed passes starts from a copy of it (its
     2 calls are the 3rd and 4th that policy served, in both passes); a fixed policy serves no
     history (passes count 1 and 2); without a history the learning one starts fresh too."""
-    import numpy as np
     from dataclasses import replace
 
     from specdec.bench.policies import Method, PolicyBenchSettings, measure_cell
