@@ -612,8 +612,9 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
     by_kind_steps = sum(t.row_steps for t in tallies)
     drafted = sum(t.drafted_tokens for t in tallies)
     drafting = sum(t.drafting for t in tallies)  # [kinds, drafters]
-    # every pass's steps and mean draft, in pass order: whether an adaptive policy's choices moved with a pass's
-    # timing (a slow pass that drafted less), and whether two runs did the same work in every pass
+    # every pass's steps and mean draft, in pass order (the row's own are the median pass's): whether an adaptive
+    # policy's choices moved with a pass's timing (a slow pass that drafted less), and whether two runs did the
+    # same work in every pass
     pass_steps = [int(sum(out.stats.steps for out in outs)) for _, outs, *_ in passes]
     pass_mean_draft = [float(sum(t.drafted_tokens for t in tals).sum() / max(sum(t.row_steps for t in tals).sum(), 1))
                        for _, _, tals, *_ in passes]
@@ -624,8 +625,8 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
     return {
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else float("nan"),
         "tau": tokens / row_steps if row_steps else float("nan"),
-        "steps": int(sum(out.stats.steps for out in outputs)),
-        "mean_draft_tokens": float(drafted.sum() / max(by_kind_steps.sum(), 1)),
+        "steps": pass_steps[chosen],
+        "mean_draft_tokens": pass_mean_draft[chosen],
         "mean_draft_tokens_by_kind": {kind: float(drafted[k] / by_kind_steps[k]) for k, kind in enumerate(KINDS)
                                       if by_kind_steps[k] > 0},
         "drafter_use": use,  # per kind: fraction of row-steps in which each drafter proposed

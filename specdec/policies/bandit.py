@@ -632,10 +632,7 @@ class BanditPolicy(Policy):
             self._observe_times(record, rows)
             return
         if self.objective == "call":  # the call's totals; no per-row attribution
-            measured = self.cost_model is None and record.step_time_s
-            step_s = float(record.step_time_s) if measured else \
-                attributed_times(record, self._asked, self._lengths, self.cost_model).sum()
-            self._call += (emitted.sum() / self._call_rows, step_s)
+            self._call += (emitted.sum() / self._call_rows, self._step_seconds(record))
             return
         seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)  # [A]
         if self.scope == "request":
@@ -651,10 +648,7 @@ class BanditPolicy(Policy):
         if self.switch_costs is not None and drafting and self.cost_model is None and record.step_time_s:
             self.switch_costs.observe(int(self._arms[0]), float(record.step_time_s), bool(self._switching[0]))
         if not self._switching[0] and drafting:
-            # the step's wall time when measured: a model drafter's charged host time also holds its
-            # wait for the GPU, so verify + drafter charges read a model drafter's step 1.5x too long
-            measured = self.cost_model is None and record.step_time_s
-            total = float(record.step_time_s) if measured else seconds.sum()
+            total = self._step_seconds(record, seconds)
             accepted = np.asarray(record.num_accepted, dtype=np.float64)[rows]
             whole = (self._asked[rows] > 0) & (emitted == accepted + 1)  # [A] drafted, not cut short by EOS or budget
             tokens = emitted.sum() if self.objective == "step" else laggard_tokens(emitted, self._remaining[rows], whole)
@@ -664,6 +658,17 @@ class BanditPolicy(Policy):
             # 41k, whose clean steps made about 1.8x prompt lookup's with 55 rows active)
             per_row_s = total * len(rows)
             self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [tokens / per_row_s if total > 0 else np.nan])
+
+    def _step_seconds(self, record: StepRecord, seconds: np.ndarray | None = None) -> float:
+        """Batch scope: the step's seconds, its measured wall time (without a cost model), else
+        the sum of its rows' attributed times (``seconds`` [A], when already computed). A model
+        drafter's charged host time also holds its wait for the GPU, so verify + drafter charges
+        read a model drafter's step 1.5x too long: the wall time is what the step cost."""
+        if self.cost_model is None and record.step_time_s:
+            return float(record.step_time_s)
+        if seconds is None:
+            seconds = attributed_times(record, self._asked, self._lengths, self.cost_model)
+        return float(seconds.sum())
 
     def _observe_rows(self, rows: np.ndarray, rewards: np.ndarray) -> None:
         """Each row's bandit and the population learn the row's reward ([A], for ``rows``; NaN:
