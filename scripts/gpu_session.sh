@@ -14,9 +14,9 @@
 #             same machine (it stays warm for about 30 s after a call)
 #   p16-64, p4, p1   the three parts of one policies run, one call each right after the zoo call
 #             (set SPECDEC_ZOO_DIR as the zoo call did; the machine goes back 30 minutes after it
-#             started; run 18's zoo + parts held it 1700 s): batch 64 and 16 (4 passes of 2 calls:
-#             run 18's 5 ran out of time before continuation b16), batch 4 (4 passes), batch 1 (4
-#             passes, a profile of 8 requests x 2 rounds); merge with `python -m specdec bench --policies --merge` (a part cut by its
+#             started; run 18's zoo + parts held it 1700 s): batch 64 and 16 (3 grid passes of 2
+#             calls, then 8 head-to-head rounds per cell), batch 4 (3 passes, 8 rounds), batch 1 (3
+#             passes, 6 rounds, a profile of 8 requests x 2 rounds); merge with `python -m specdec bench --policies --merge` (a part cut by its
 #             time limit lists its skipped cells)
 #   demo      python -m specdec demo --preset gpu --device cuda
 #   noise     scripts/noise_probe.py: identical passes timed default, pinned, one thread, GPU warmed
@@ -55,11 +55,11 @@ policies_part() {
   local name=$1; shift
   $RUN -m specdec bench --policies --preset gpu --device cuda --num-prompts 16 --history-prompts 8 --pass-calls 2 \
     --out "$OUT" --name "policies_h200_$name" "$@" 2>&1 | tee "$OUT/policies_$name.log" \
-    | grep -E "elapsed|wrote|skipped|warning:|Error" | tail -6
+    | grep -E "elapsed|wrote|skipped|warning:|Error|head to head" | tail -12
 }
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
-[[ " $PARTS " =~ " p16-64 " ]] && policies_part b16-64 --batch-sizes 64,16 --repeats 4 --time-limit-s 480
-[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 4 --time-limit-s 330
-[[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 4 --time-limit-s 300 --profile-prompts 8 --profile-repeats 2
+[[ " $PARTS " =~ " p16-64 " ]] && policies_part b16-64 --batch-sizes 64,16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 440
+[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 330
+[[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 330 --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0

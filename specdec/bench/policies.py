@@ -64,8 +64,16 @@ from ..runner import runners_of
 from ..verifiers import PaddingFreeVerifier
 from ..workloads import KINDS, STANDARD, WorkloadGenerator, mean_oracle_lookup_tau
 from ..zoo import build, load
+from . import head_to_head
 from .affinity import gpu_local_cpus, pinned, torch_threads, warm_gpu
 from .harness import agreement, environment, synchronise
+from .policy_targets import (
+    fastest_pass_rows,
+    head_to_head_targets,
+    kind_oracle_bound,
+    policy_targets,
+    same_decision_pairs,
+)
 
 LOOKUP = "prompt lookup"
 # the bandits measured: variant -> (strategy, scope, objective). "joint-finish" (joint scope,
@@ -136,6 +144,9 @@ class PolicyBenchSettings:
     history_prompts: int = 16
     history_calls: int = 8
     repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
+    # rounds of each cell's head-to-head (bench.head_to_head): the targeted policies, their references as the
+    # grid chose them and a twin of the best fixed pair, every one once a round; 0: none
+    head_to_head_rounds: int = 8
     time_limit_s: float | None = None  # no cell (batch size, workload) starts after this many seconds
     pin_cpu: bool = False  # timed passes with the main thread on one core of the GPU's NUMA node (bench.affinity)
     timing_threads: int | None = 1  # torch intra-op threads during the timed passes on CUDA (None: as they are)
@@ -276,9 +287,10 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     save = checkpoint or (lambda partial: None)
     if settings.bandit_length < 1 or settings.max_draft_tokens < 1 or min(settings.lengths, default=1) < 1:
         raise ValueError("bandit_length and max_draft_tokens must be >= 1")
-    if settings.repeats < 1 or settings.tau_profile_repeats < 1:
+    if settings.repeats < 1 or settings.tau_profile_repeats < 1 or settings.head_to_head_rounds < 0:
         raise ValueError(f"repeats and tau_profile_repeats must be >= 1 (timed passes per run, measured rounds "
-                         f"per profiled length), got {settings.repeats} and {settings.tau_profile_repeats}")
+                         f"per profiled length) and head_to_head_rounds >= 0, got {settings.repeats}, "
+                         f"{settings.tau_profile_repeats} and {settings.head_to_head_rounds}")
     if settings.bandit_times not in ("measured", "model"):
         raise ValueError(f"bandit_times must be 'measured' or 'model', got {settings.bandit_times!r}")
     cuda = settings.device.startswith("cuda")
@@ -332,6 +344,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         "policy_drafter": policy_drafter,
         "workloads": {},
         "rows": [],
+        "head_to_head": [],  # per cell (bench.head_to_head)
         "skipped": [],
         "timings": {},
         "timing_cpus": timing_cpus(settings),  # None: the passes ran unpinned
@@ -418,8 +431,14 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         prompts, kinds = workload.prompts(size), np.array([KINDS.index(k) for k in workload.kinds(size)])
         before = _runner_ids(models)
         past = history[workload_name].prompts(history_size(settings, batch)) if history else []
-        measured = measure_cell(target, drafters, grid_methods, workload_name, prompts, kinds, batch, settings, eos,
-                                graphs, compiled, cpus, history=past)
+        cell_started = time.perf_counter()
+        measured, confirmation = measure_cell(target, drafters, grid_methods, workload_name, prompts, kinds, batch,
+                                              settings, eos, graphs, compiled, cpus, history=past)
+        if confirmation is not None:
+            result["head_to_head"].append({"workload": workload_name, "batch": batch, **confirmation})
+            log(f"head to head, {workload_name} b{batch}, {confirmation['rounds']} rounds: " + (confirmation.get("error") or "; ".join(
+                f"{c['policy']} / {c['reference']} {c['median']:.3f}" for c in confirmation["comparisons"])))
+            seconds_done += time.perf_counter() - cell_started - sum(r["elapsed_s"] for r in measured)
         rebuilt = _runner_ids(models) != before
         reference = measured[0].get("sequences")  # plain decoding comes first
         for index, (method, row) in enumerate(zip(grid_methods, measured), start=1):
@@ -447,6 +466,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     result["timings"]["runs_s"] = time.perf_counter() - runs_started
     result["timings"]["total_s"] = elapsed()
     result["targets"] = policy_targets(result)
+    result["head_to_head_targets"] = head_to_head_targets(result)
     return result
 
 
@@ -536,30 +556,40 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     n = len(grid_methods)
     rotation = max(1, n // settings.repeats)  # each round starts this many methods further on
     order = [(i + r * rotation) % n for r in range(settings.repeats) for i in range(n)]
+
+    def timed_pass(index: int) -> tuple:
+        """One pass of method ``index`` -> (seconds, outputs, tallies, policy, learnt state at its start)."""
+        given, kwargs = calls[index]
+        policy = copy.deepcopy(trained[index]) if index in trained else grid_methods[index].make(workload)
+        at_start = learnt_state(policy)
+        tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
+        warm_gpu(settings.device, settings.gpu_warmup_ms / 1e3)
+        gc.disable()
+        try:
+            synchronise(settings.device)
+            started = time.perf_counter()
+            outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
+                       for chunk, tally in zip(chunks, tallies)]
+            synchronise(settings.device)
+            return time.perf_counter() - started, outputs, tallies, policy, at_start
+        finally:
+            gc.enable()
+
+    confirmation = None  # the head-to-head record
     try:
         with pinned(cpus), torch_threads(timing_threads(settings)):
             for index in order:
                 if index in errors:
                     continue
-                given, kwargs = calls[index]
                 started = time.perf_counter()
                 try:
-                    policy = copy.deepcopy(trained[index]) if index in trained else grid_methods[index].make(workload)
-                    at_start = learnt_state(policy)
-                    tallies = [Tally(policy, kinds[i : i + batch], len(given)) for i in chunk_starts]
-                    warm_gpu(settings.device, settings.gpu_warmup_ms / 1e3)
-                    gc.disable()
-                    synchronise(settings.device)
-                    started = time.perf_counter()
-                    outputs = [generate(target, chunk, policy=tally, max_new_tokens=settings.max_new_tokens, **kwargs)
-                               for chunk, tally in zip(chunks, tallies)]
-                    synchronise(settings.device)
-                    passes[index].append((time.perf_counter() - started, outputs, tallies, policy, at_start))
+                    passes[index].append(timed_pass(index))
                 except Exception as error:  # noqa: BLE001
                     errors[index] = f"{type(error).__name__}: {str(error)[:300]}"
                 finally:
-                    gc.enable()
                     spent[index] += time.perf_counter() - started
+            if settings.head_to_head_rounds > 0 and grid_methods and grid_methods[0].family == "plain" and 0 not in errors:
+                confirmation = time_head_to_head(grid_methods, passes, errors, settings.head_to_head_rounds, timed_pass)
     finally:
         gc.unfreeze()
     rows = []
@@ -568,7 +598,35 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
             rows.append({"error": errors[index], "sequences": None, "elapsed_s": spent[index]})
         else:
             rows.append({**summarise_passes(method, passes[index]), "elapsed_s": spent[index]})
-    return rows
+    return rows, confirmation
+
+
+def median_pass_rate(passes: list[tuple]) -> float:
+    """Tokens/s of a method's median pass (the slower middle one for an even count), as its row reads it."""
+    seconds = sorted(p[0] for p in passes)[len(passes) // 2]
+    return sum(len(s) for out in passes[0][1] for s in out.sequences) / seconds
+
+
+def time_head_to_head(grid_methods: list[Method], passes: list[list[tuple]], errors: dict, rounds: int,
+                      timed_pass: Callable[[int], tuple]) -> dict | None:
+    """The cell's head-to-head rounds (bench.head_to_head), after its grid: the contenders and
+    their references chosen from the grid's median passes, ``rounds`` rounds of them -> the
+    record (None: no contender ran). A pass that raises ends the rounds, recorded as ``error``."""
+    rates = {i: median_pass_rate(p) for i, p in enumerate(passes) if p and i not in errors}
+    entries, comparisons = head_to_head.plan(grid_methods, rates)
+    if not comparisons:
+        return None
+    plain_sequences = [s for out in passes[0][0][1] for s in out.sequences]
+
+    def entry_pass(entry: int) -> tuple[float, list]:
+        seconds, outputs, *_ = timed_pass(entries[entry])
+        return seconds, [s for out in outputs for s in out.sequences]
+
+    try:
+        timed = head_to_head.run_rounds(len(entries), rounds, entry_pass)
+    except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}", "rounds": 0, "entries": [], "comparisons": []}
+    return head_to_head.record(grid_methods, entries, comparisons, timed, plain_sequences)
 
 
 def serve_history(target, policy: Policy, prompts: list[list[int]], batch: int, max_new_tokens: int,
@@ -668,118 +726,9 @@ def estimate(settings: PolicyBenchSettings, num_drafters: int) -> str:
     runs = num_methods * len(settings.workloads) * len(settings.batch_sizes)
     return (f"plan: {runs} runs ({num_methods} methods x {len(settings.workloads)} workloads x "
             f"{len(settings.batch_sizes)} batch sizes), {calls * num_methods * len(settings.workloads)} timed "
-            f"generate() calls of up to {settings.max_new_tokens} new tokens, plus one short warm-up call per run")
-
-
-# --- targets ---------------------------------------------------------------------------------
-GOODPUT_VS_PLAIN = 0.97  # never more than 3% slower than plain decoding
-WITHIN_BEST_FIXED = 0.95  # within 5% of the best fixed length in hindsight
-BANDIT_MIXED_GAIN = 1.10  # beats the best single drafter by 10% on the mixed workload
-BANDIT_HOMOGENEOUS = 0.95  # within 5% of the best single drafter on a homogeneous workload
-
-
-def policy_targets(result: dict) -> list[dict]:
-    """Issue 5's targets, each met or not, with the worst ratio over the measured batch sizes and
-    the ratio at each one. A policy's ratio at a batch size is its tokens/s over the reference's
-    at the same workload and batch size:
-
-    - GoodputPolicy (each variant, each workload) against plain decoding: >= 0.97;
-    - GoodputPolicy and BatchAdaptivePolicy against the best fixed length of their own drafter
-      in hindsight (the fastest of plain decoding and every measured k with that drafter): >= 0.95;
-    - BanditPolicy (each variant) against the best single drafter (the fastest fixed run of one
-      of its drafters at its own draft length): >= 1.10 on the mixed workload, >= 0.95 on each
-      homogeneous one.
-
-    A target is met only when every measured batch size meets it and every policy output there
-    was identical to plain decoding; a failed policy run fails it."""
-    rows = result.get("rows", [])
-    ok = [r for r in rows if not r.get("error")]
-    found = []
-
-    def add(description, family, variant, workload, reference, threshold):
-        mine = [r for r in rows if r["family"] == family and r["variant"] == variant and r["workload"] == workload]
-        if not mine:
-            return
-        per_batch, identical, failed = {}, True, False
-        for row in sorted(mine, key=lambda r: r["batch"]):
-            if row.get("error"):
-                per_batch[row["batch"]], failed = None, True
-                continue
-            ref = reference(row)
-            if ref is None:
-                continue
-            per_batch[row["batch"]] = row["tokens_per_s"] / ref["tokens_per_s"]
-            identical &= bool(row.get("identical"))
-        measured = [v for v in per_batch.values() if v is not None]
-        if not per_batch:
-            return
-        worst = min(measured) if measured else float("nan")
-        found.append({"target": description, "policy": family, "variant": variant, "workload": workload,
-                      "threshold": threshold, "ratio": worst, "per_batch": {str(b): v for b, v in per_batch.items()},
-                      "identical": identical,
-                      "met": bool(measured) and not failed and identical and worst >= threshold})
-
-    def plain(row):
-        return next((r for r in ok if r["family"] == "plain" and r["workload"] == row["workload"]
-                     and r["batch"] == row["batch"]), None)
-
-    def best_fixed(row):
-        candidates = [r for r in ok if r["workload"] == row["workload"] and r["batch"] == row["batch"]
-                      and (r["family"] == "plain" or (r["family"] == "fixed" and r["drafters"] == row["drafters"]))]
-        return max(candidates, key=lambda r: r["tokens_per_s"], default=None)
-
-    def best_single(row):
-        candidates = [r for r in ok if r["family"] == "fixed" and r["workload"] == row["workload"]
-                      and r["batch"] == row["batch"] and r["length"] == row["length"]
-                      and r["drafters"][0] in row["drafters"]]
-        return max(candidates, key=lambda r: r["tokens_per_s"], default=None)
-
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    for variant in ("per-row", "uniform", "finish"):
-        for w in workloads:
-            add(f"GoodputPolicy {variant} never more than 3% slower than plain decoding at any batch size",
-                "goodput", variant, w, plain, GOODPUT_VS_PLAIN)
-        for w in workloads:
-            add(f"GoodputPolicy {variant} within 5% of the best fixed length in hindsight at every batch size",
-                "goodput", variant, w, best_fixed, WITHIN_BEST_FIXED)
-    for w in workloads:
-        add("BatchAdaptivePolicy within 5% of the best fixed length in hindsight at every batch size",
-            "batch_adaptive", "", w, best_fixed, WITHIN_BEST_FIXED)
-    for variant in dict.fromkeys(r["variant"] for r in rows if r["family"] == "bandit"):
-        for w in workloads:
-            mixed = w == "mixed"
-            add(f"BanditPolicy {variant} " + ("beats the best single drafter by >= 10% tokens/s" if mixed
-                                              else "within 5% of the best single drafter"),
-                "bandit", variant, w, best_single, BANDIT_MIXED_GAIN if mixed else BANDIT_HOMOGENEOUS)
-    return found
-
-
-def kind_oracle_bound(result: dict) -> dict[int, float]:
-    """What any drafter selection could gain on the mixed workload, per batch size: the best
-    drafter for each request kind (the fastest fixed run at the bandit's length on the `copy`
-    and on the `continuation` workload) against the best single drafter for both, each
-    workload's tokens/s combined as the mixed workload's shares of time (fraction f of copy
-    requests: 1 / (f / r_copy + (1 - f) / r_continuation)). An estimate from the homogeneous
-    workloads' requests: at batch 1 every request is a call of its own and the two kinds' times
-    add; at larger batches serving both kinds in one batch also pays for both drafters, so a
-    selection there gains if anything less. The bandit's 1.10 target on `mixed` has no room
-    when this is well below 1.10."""
-    settings = result.get("settings", {})
-    length, fraction = settings.get("bandit_length", 4), settings.get("mixed_fraction", 0.5)
-    rates: dict[tuple[int, str], dict[str, float]] = {}
-    for r in result.get("rows", []):
-        if r["family"] == "fixed" and r["length"] == length and not r.get("error") and r["workload"] in ("copy", "continuation"):
-            rates.setdefault((r["batch"], r["workload"]), {})[r["drafters"][0]] = r["tokens_per_s"]
-    mix = lambda copy_rate, continuation_rate: 1.0 / (fraction / copy_rate + (1.0 - fraction) / continuation_rate)
-    bound = {}
-    for batch in sorted({b for b, _ in rates}):
-        copy, continuation = rates.get((batch, "copy"), {}), rates.get((batch, "continuation"), {})
-        drafters = sorted(set(copy) & set(continuation))
-        if not drafters:
-            continue
-        best_single = max(mix(copy[d], continuation[d]) for d in drafters)
-        bound[batch] = mix(max(copy[d] for d in drafters), max(continuation[d] for d in drafters)) / best_single
-    return bound
+            f"generate() calls of up to {settings.max_new_tokens} new tokens per pass, {settings.repeats} passes each, "
+            f"plus one short warm-up call per run; then per cell {settings.head_to_head_rounds} head-to-head rounds of "
+            f"up to {2 * len(head_to_head.CONTENDERS) + 1} passes")
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -793,44 +742,6 @@ def _by_batch(target: dict) -> str:
     """A target's ratio at each batch size, for the report's tables."""
     return ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in target["per_batch"].items())
 
-
-def fastest_pass_rows(rows: list[dict]) -> list[dict]:
-    """The rows with tokens/s from each run's fastest timed pass (every pass emits the same
-    tokens: their outputs are compared)."""
-    return [{**r, "tokens_per_s": r["tokens"] / min(r["pass_seconds"])} if not r.get("error") and r.get("pass_seconds")
-            else r for r in rows]
-
-
-SAME_DRAFT_TOLERANCE = 0.02  # mean draft tokens within which a policy's run counts as a fixed pair's double
-
-
-def same_decision_pairs(rows: list[dict]) -> list[dict]:
-    """An A/A check of the timing: every BatchAdaptivePolicy run that took as many steps as a
-    fixed pair of its drafter, with the same mean draft length (within SAME_DRAFT_TOLERANCE
-    tokens), so that both did the same decoding work (its table held that pair's length).
-    BatchAdaptivePolicy only: its lengths follow its table, so every pass does the same work,
-    where GoodputPolicy's choices may differ from pass to pass (the counts are the median
-    pass's). Runs whose output differed from plain decoding are left out. Their ratio should
-    be 1 up to the machine's noise. The main files of runs 10-18 held 40 such pairs: 0.81-1.08
-    from the median pass (11 of 40 below 0.95) and 0.96-1.12 from the fastest (none below
-    0.95). On those machines a 5% gap between two runs' median passes is within the noise of one.
-    -> [{workload, batch, method, fixed, median_ratio, fastest_ratio (None without passes)}]."""
-    usable = [r for r in rows if not r.get("error") and r.get("steps") and r.get("identical") is not False]
-    fixed = [r for r in usable if r["family"] == "fixed"]
-    pairs = []
-    for run in usable:
-        if run["family"] != "batch_adaptive":
-            continue
-        twin = next((f for f in fixed if (f["workload"], f["batch"], f["drafters"], f["steps"]) ==
-                     (run["workload"], run["batch"], run["drafters"], run["steps"])
-                     and abs(f["mean_draft_tokens"] - run["mean_draft_tokens"]) <= SAME_DRAFT_TOLERANCE), None)
-        if twin is None:
-            continue
-        passes = run.get("pass_seconds") and twin.get("pass_seconds")
-        pairs.append({"workload": run["workload"], "batch": run["batch"], "method": run["method"], "fixed": twin["method"],
-                      "median_ratio": run["tokens_per_s"] / twin["tokens_per_s"],
-                      "fastest_ratio": min(twin["pass_seconds"]) / min(run["pass_seconds"]) if passes else None})
-    return pairs
 
 
 def timing_conditions(settings: dict, cpus: list[int] | None) -> str:
@@ -907,9 +818,11 @@ def markdown(result: dict) -> str:
         lines.append(f"- tau profile `{name}` ({result['policy_drafter']}, held-out requests), by draft length: {taus}; "
                      f"fitted acceptance rate {part['acceptance_rate']:.3f} (GoodputPolicy's prior); "
                      f"BatchAdaptivePolicy's table batch -> length {part['batch_adaptive_table']}")
+    confirmed = result.get("head_to_head") or []
+    lines += head_to_head.markdown_lines(confirmed, result.get("head_to_head_targets") or head_to_head_targets(result))
     targets = result.get("targets") or policy_targets(result)
-    lines += ["", "## Targets", "", "| target | workload | worst ratio | ratio by batch size | identical | met |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Targets, from the grid's median pass" if confirmed else "## Targets", "",
+              "| target | workload | worst ratio | ratio by batch size | identical | met |", "|---|---|---|---|---|---|"]
     for t in targets:
         lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {_by_batch(t)} | "
                      f"{'yes' if t['identical'] else 'no'} | {'yes' if t['met'] else 'no'} |")
@@ -1053,7 +966,7 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    result = {**result, "targets": policy_targets(result)}
+    result = {**result, "targets": policy_targets(result), "head_to_head_targets": head_to_head_targets(result)}
     paths = [folder / f"{stem}.json", folder / f"{stem}.md"]
     paths[0].write_text(json.dumps(result, indent=1))
     paths[1].write_text(markdown(result))
@@ -1071,7 +984,7 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
 # 0.1-0.2 s) and a slow spell of the machine lasts seconds, so those parts may time more of them;
 # each part profiles its own batch sizes (BatchAdaptivePolicy's table, GoodputPolicy's prior), and
 # at batch 1 every profiled request is a call of its own (run 17: 160 s of a batch-1 part's 300 s)
-PER_PART = ("time_limit_s", "repeats", "profile_prompts", "tau_profile_repeats")
+PER_PART = ("time_limit_s", "repeats", "profile_prompts", "tau_profile_repeats", "head_to_head_rounds")
 MERGEABLE = {"batch_sizes", "workloads", *PER_PART}
 
 
@@ -1122,7 +1035,7 @@ def merge(results: list[dict]) -> dict:
                 raise ValueError(f"parts {seen[cell]} and {i} both measured batch {cell[0]} of workload {cell[1]!r}: "
                                  "merge runs of different batch sizes or workloads")
             seen[cell] = i
-    merged = {**first, "settings": dict(reference["settings"]), "timings": {}, "rows": [], "skipped": []}
+    merged = {**first, "settings": dict(reference["settings"]), "timings": {}, "rows": [], "skipped": [], "head_to_head": []}
     merged["settings"]["batch_sizes"] = sorted({batch for batch, _ in seen})
     merged["settings"]["workloads"] = list(dict.fromkeys(w for part in results for w in part["settings"].get("workloads", ())))
     merged["workloads"] = {name: summary for part in results for name, summary in part.get("workloads", {}).items()}
@@ -1133,11 +1046,13 @@ def merge(results: list[dict]) -> dict:
                         "tau_profile": part.get("tau_profile")} for part in results]
     for part in results:
         merged["rows"] += part["rows"]
+        merged["head_to_head"] += part.get("head_to_head", [])
         # a run one part skipped (its time limit) and another measured is not skipped
         merged["skipped"] += [run for run in part.get("skipped", []) if (run["batch"], run["workload"]) not in seen]
         for key, value in part.get("timings", {}).items():
             merged["timings"][key] = merged["timings"].get(key, 0.0) + value
     merged["targets"] = policy_targets(merged)
+    merged["head_to_head_targets"] = head_to_head_targets(merged)
     return merged
 
 
@@ -1176,6 +1091,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-grid", choices=("default", "tiny"), default=d.profile_grid)
     p.add_argument("--time-limit-s", type=float, default=None, help="start no cell (batch size, workload) after this many seconds")
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per run (median); --quick: 1")
+    p.add_argument("--head-to-head-rounds", type=int, default=d.head_to_head_rounds,
+                   help="rounds of each cell's head-to-head of the targeted policies and their references "
+                        "(bench.head_to_head); 0: none; --quick: 2")
     p.add_argument("--history-prompts", type=int, default=d.history_prompts,
                    help="held-out requests each learning policy serves before its timed passes (at batch B: at "
                         "least --history-calls x B; at batch 1: --batch1-prompts); 0: every pass starts fresh; --quick: 4")
@@ -1219,7 +1137,7 @@ def settings_from(args) -> PolicyBenchSettings:
         repeats=args.repeats, pin_cpu=args.pin_cpu, tau_profile_repeats=args.tau_profile_repeats,
         tau_profile_tokens=args.tau_profile_tokens, timing_threads=args.timing_threads or None,
         gpu_warmup_ms=args.gpu_warmup_ms, history_prompts=args.history_prompts, history_calls=args.history_calls,
-        pass_calls=args.pass_calls, profile_prompts=args.profile_prompts)
+        pass_calls=args.pass_calls, profile_prompts=args.profile_prompts, head_to_head_rounds=args.head_to_head_rounds)
     if settings.profile_prompts < 1:
         raise SystemExit(f"--profile-prompts must be >= 1, got {settings.profile_prompts}")
     if settings.pass_calls < 1:
@@ -1231,6 +1149,8 @@ def settings_from(args) -> PolicyBenchSettings:
         raise SystemExit(f"--timing-threads and --gpu-warmup-ms must be >= 0, got {args.timing_threads} and {args.gpu_warmup_ms}")
     if settings.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {settings.repeats}")
+    if settings.head_to_head_rounds < 0:
+        raise SystemExit(f"--head-to-head-rounds must be >= 0 (0: no head-to-head), got {settings.head_to_head_rounds}")
     if settings.tau_profile_repeats < 1 or settings.tau_profile_tokens < 1:
         raise SystemExit(f"--profile-repeats and --tau-profile-tokens must be >= 1, got "
                          f"{settings.tau_profile_repeats} and {settings.tau_profile_tokens}")
@@ -1239,7 +1159,7 @@ def settings_from(args) -> PolicyBenchSettings:
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
                  "num_model_drafters": 1, "profile_grid": "tiny", "repeats": 1,
                  "prompt_tokens": 128, "tau_profile_repeats": 1, "tau_profile_tokens": 32, "history_prompts": 4,
-                 "history_calls": 1, "profile_prompts": 4}
+                 "history_calls": 1, "profile_prompts": 4, "head_to_head_rounds": 2}
         chosen = {k: v for k, v in quick.items() if getattr(args, k) == getattr(defaults, k)}
         settings = replace(settings, **chosen, max_new_tokens=min(settings.max_new_tokens, 32))
     unknown = set(settings.workloads) - set(STANDARD)

@@ -91,8 +91,18 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert set(result["tau_profile"]) == {"mixed", "copy", "continuation"}
     assert {t["policy"] for t in result["targets"]} == {"goodput", "batch_adaptive", "bandit"}
     assert len(result["targets"]) == 3 * 2 * 3 + 3 + 6 * 3
+    # each cell then timed its contenders and their references head to head (--quick: 2 rounds), losslessly
+    records = result["head_to_head"]
+    assert sorted((r["workload"], r["batch"]) for r in records) == sorted((w, b) for w in result["workloads"] for b in (1, 8))
+    for record in records:
+        assert record["rounds"] == 2 and all(e["identical"] and len(e["pass_seconds"]) == 2 for e in record["entries"])
+        compared = [(c["family"], c["variant"], c["reference"]) for c in record["comparisons"]]
+        assert compared[:-1] == [("goodput", "finish", "plain"), ("goodput", "finish", "best_fixed"),
+                                 ("batch_adaptive", "", "best_fixed"), ("bandit", "batch-call", "best_single")]
+        assert compared[-1] in (("fixed", "", "twin"), ("plain", "", "twin"))  # the best fixed pair, timed twice
+    assert len(result["head_to_head_targets"]) == (2 + 1 + 1) * 3
     report = quick_run.with_suffix(".md").read_text()
-    assert "## Targets" in report and "| target | workload | worst ratio |" in report
+    assert "## Targets" in report and "| target | workload | worst ratio |" in report and "## Targets, head to head" in report
     assert "Batch sizes measured, by workload: mixed [1, 8]" in report and "Noise check" in report
     for suffix in ("", "_fixed"):
         assert quick_run.with_name(quick_run.stem + suffix + ".png").stat().st_size > 5000
@@ -483,7 +493,7 @@ def test_a_learning_policy_serves_the_history_and_each_pass_starts_from_a_copy()
     settings = replace(PolicyBenchSettings(device="cpu", max_new_tokens=6, repeats=2, warmup_tokens=2), timing_threads=None)
     for past, learner_calls in ((history, [1, 1, 2, 3, 4, 3, 4]), ([], [1, 1, 2, 1, 2])):
         CallCountingPolicy.log = []
-        rows = measure_cell(target, {"lookup": PromptLookupDrafter()}, methods, "mixed", prompts, np.zeros(4, dtype=np.int64),
+        rows, confirmation = measure_cell(target, {"lookup": PromptLookupDrafter()}, methods, "mixed", prompts, np.zeros(4, dtype=np.int64),
                             2, settings, None, False, False, history=past)
         assert all(not r.get("error") for r in rows), rows
         assert [n for label, n in CallCountingPolicy.log if label == "fixed"] == [1, 1, 2, 1, 2]

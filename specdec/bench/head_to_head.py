@@ -1,0 +1,161 @@
+"""Head-to-head rounds: issue 5's targets timed again, apart from the grid that chose their
+references (``bench.policies`` runs them at the end of each cell).
+
+The grid times every method of a cell in ``repeats`` interleaved rounds and reads each from its
+median pass. Two things blur a target read from it:
+
+- the winner's curse: the best fixed length in hindsight is the fastest of up to 13 medians, each
+  off by the machine's noise, so the one that comes out fastest is more often than not one that
+  drew a lucky spell, and every policy reads low against it;
+- the noise itself: on the H200 machines the median of 4-5 passes of the very same work moved by
+  up to 10-20% (the A/A check of runs 10-18: 0.81-1.08).
+
+So each cell then times the targets' policies (``CONTENDERS``) and their references as the grid
+chose them (plain decoding; the best fixed length of the policy's drafter; the best single
+drafter at the bandit's length) in ``rounds`` more rounds, every entry once per round in an
+order rotated from round to round, plus a twin: the first best fixed pair a second time, whose
+ratio to itself is the cell's own A/A check. A comparison reads the median over rounds of the
+paired ratio: the policy's tokens/s in a round over the reference's in the same round, so a slow
+spell of a round's length falls on both.
+
+Invariant: the references are chosen from the grid's passes only, never from these rounds, so
+these rounds measure them without selection; every pass's output is compared with plain
+decoding's (``identical``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+# the policies timed head to head: (family, variant); GoodputPolicy "finish" and the call bandit
+# are the variants BENCHMARKS.md reads the targets from (runs 16-18)
+CONTENDERS = (("goodput", "finish"), ("batch_adaptive", ""), ("bandit", "batch-call"))
+# each family's references, as issue 5's targets name them
+REFERENCES = {"goodput": ("plain", "best_fixed"), "batch_adaptive": ("best_fixed",), "bandit": ("best_single",)}
+
+
+def reference_index(methods: Sequence, rates: dict[int, float], policy, relation: str) -> int | None:
+    """The grid's choice of ``policy``'s reference: the fastest (``rates``: method index ->
+    tokens/s of its median pass; failed methods absent) of plain decoding ("plain"), of plain
+    decoding and every fixed length of the policy's drafter ("best_fixed"), or of every fixed
+    pair of one of its drafters at its own length ("best_single")."""
+    if relation == "plain":
+        candidates = [i for i, m in enumerate(methods) if m.family == "plain"]
+    elif relation == "best_fixed":
+        candidates = [i for i, m in enumerate(methods)
+                      if m.family == "plain" or (m.family == "fixed" and tuple(m.drafters) == tuple(policy.drafters))]
+    elif relation == "best_single":
+        candidates = [i for i, m in enumerate(methods)
+                      if m.family == "fixed" and m.length == policy.length and m.drafters[0] in policy.drafters]
+    else:
+        raise ValueError(f"unknown reference {relation!r}; one of plain, best_fixed, best_single")
+    return max((i for i in candidates if i in rates), key=rates.__getitem__, default=None)
+
+
+def plan(methods: Sequence, rates: dict[int, float]) -> tuple[list[int], list[tuple[int, int, str]]]:
+    """-> (entries: the method index of each entry, in the order of a round's first pass;
+    comparisons: (policy entry, reference entry, relation)). Each contender that ran gets its
+    references; a method is one entry however many compare with it, but for the twin: the
+    first best-fixed reference once more, compared with its first entry ("twin")."""
+    entries: list[int] = []
+    comparisons: list[tuple[int, int, str]] = []
+
+    def enter(index: int) -> int:
+        if index not in entries:
+            entries.append(index)
+        return entries.index(index)
+
+    for family, variant in CONTENDERS:
+        for i, method in enumerate(methods):
+            if (method.family, method.variant) != (family, variant) or i not in rates:
+                continue
+            found = [(relation, reference_index(methods, rates, method, relation)) for relation in REFERENCES[family]]
+            found = [(relation, j) for relation, j in found if j is not None]
+            if found:
+                mine = enter(i)
+                comparisons += [(mine, enter(j), relation) for relation, j in found]
+    twin_of = next((b for _, b, relation in comparisons if relation == "best_fixed"), None)
+    if twin_of is not None:
+        entries.append(entries[twin_of])
+        comparisons.append((len(entries) - 1, twin_of, "twin"))
+    return entries, comparisons
+
+
+def round_orders(count: int, rounds: int) -> list[list[int]]:
+    """``rounds`` orders of ``count`` entries, each rotated one further than the last, so every
+    entry runs at every place of a round about equally often."""
+    return [[(i + r) % count for i in range(count)] for r in range(rounds)]
+
+
+def run_rounds(count: int, rounds: int, timed_pass: Callable[[int], tuple[float, list]]) -> list[list[tuple[float, list]]]:
+    """Every entry once per round (``round_orders``) -> per entry, per round (seconds, sequences)
+    of ``timed_pass(entry)``."""
+    passes: list[list[tuple[float, list]]] = [[] for _ in range(count)]
+    for order in round_orders(count, rounds):
+        for entry in order:
+            passes[entry].append(timed_pass(entry))
+    return passes
+
+
+def paired_ratios(policy: list[tuple[float, list]], reference: list[tuple[float, list]]) -> list[float]:
+    """Per round: the policy pass's tokens/s over the reference pass's."""
+    rate = lambda seconds, sequences: sum(map(len, sequences)) / seconds
+    return [rate(*a) / rate(*b) for a, b in zip(policy, reference)]
+
+
+def record(methods: Sequence, entries: list[int], comparisons: list[tuple[int, int, str]],
+           passes: list[list[tuple[float, list]]], plain_sequences: list) -> dict:
+    """The cell's head-to-head result (JSON): every entry's passes and whether each output equals
+    plain decoding's, and every comparison's paired ratios and their median."""
+    described = [{"method": methods[i].name, "family": methods[i].family, "variant": methods[i].variant,
+                  "pass_seconds": [s for s, _ in passes[e]], "tokens": [sum(map(len, q)) for _, q in passes[e]],
+                  "identical": all(q == plain_sequences for _, q in passes[e])}
+                 for e, i in enumerate(entries)]
+    found = []
+    for a, b, relation in comparisons:
+        paired = paired_ratios(passes[a], passes[b])
+        found.append({"policy": described[a]["method"], "family": described[a]["family"],
+                      "variant": described[a]["variant"], "reference": relation,
+                      "reference_method": described[b]["method"], "paired": paired, "median": float(np.median(paired)),
+                      "identical": described[a]["identical"] and described[b]["identical"]})
+    return {"rounds": len(passes[0]) if passes else 0, "entries": described, "comparisons": found}
+
+
+def twin_ratios(records: list[dict]) -> list[dict]:
+    """Each cell's A/A check: its twin comparison -> [{workload, batch, method, median, low, high}]
+    (low and high: the smallest and largest paired ratio)."""
+    return [{"workload": r["workload"], "batch": r["batch"], "method": c["policy"], "median": c["median"],
+             "low": min(c["paired"]), "high": max(c["paired"])}
+            for r in records for c in r["comparisons"] if c["reference"] == "twin"]
+
+
+def markdown_lines(records: list[dict], targets: list[dict]) -> list[str]:
+    """The report's head-to-head section: the targets, then every comparison of every cell."""
+    if not records:
+        return []
+    rounds = sorted({r["rounds"] for r in records})
+    lines = ["", "## Targets, head to head", "",
+             f"After each cell's grid, its targeted policies and their references as the grid chose them were timed in "
+             f"{'/'.join(map(str, rounds))} more rounds, every entry once per round in rotated order, with the first best "
+             "fixed pair twice (its twin: the cell's A/A check). A ratio is the median over rounds of the policy's "
+             "tokens/s over the reference's in the same round (bench.head_to_head).", "",
+             "| target | workload | worst ratio | ratio by batch size | identical | met |", "|---|---|---|---|---|---|"]
+    for t in targets:
+        by_batch = ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in t["per_batch"].items())
+        lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {by_batch} | "
+                     f"{'yes' if t['identical'] else 'no'} | {'yes' if t['met'] else 'no'} |")
+    twins = twin_ratios(records)
+    if twins:
+        lines += ["", "A/A check, each cell's twin (the same fixed pair timed twice a round): median paired ratio "
+                  "(smallest-largest): " + "; ".join(f"{t['workload']} b{t['batch']} {t['median']:.3f} "
+                                                     f"({t['low']:.2f}-{t['high']:.2f})" for t in twins) + "."]
+    lines += ["", "| workload | batch | policy | reference | reference run | median ratio | paired ratios | identical |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        for c in r["comparisons"]:
+            lines.append(f"| {r['workload']} | {r['batch']} | {c['policy']} | {c['reference']} | {c['reference_method']} | "
+                         f"{c['median']:.3f} | {' '.join(f'{x:.2f}' for x in c['paired'])} | "
+                         f"{'yes' if c['identical'] else 'no'} |")
+    return lines
