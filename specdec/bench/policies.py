@@ -694,6 +694,11 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
         # per step of the median pass's first call: [active rows, longest draft, mean draft, drafters used, ms,
         # plan ms] (results before run 18 hold the first five)
         **({"trace": tallies[0].trace} if method.family != "fixed" else {}),
+        # the median pass's calls one by one: steps and mean draft, and the last call's trace (a learning policy's
+        # later calls start from what its earlier ones taught it)
+        "call_steps": [t.steps for t in tallies],
+        "call_mean_draft_tokens": [float(t.drafted_tokens.sum() / max(t.row_steps.sum(), 1)) for t in tallies],
+        **({"last_call_trace": tallies[-1].trace} if method.family != "fixed" and len(tallies) > 1 else {}),
         "policy_ms_per_step": 1e3 * sum(t.policy_s for t in tallies) / max(sum(t.steps for t in tallies), 1),
         **({"calibration": {"base_scale": {str(b): v for b, v in sorted(calibration.base_scale.items())},
                             "extra_scale": {str(b): v for b, v in sorted(calibration.extra_scale.items())}}}

@@ -54,6 +54,10 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
                for r, i in zip(rows, slower))
     assert all(r["pass_mean_draft_tokens"] == [0.0, 0.0] for r in rows if r["family"] == "plain")
     assert all(r["pass_steps"][0] == r["pass_steps"][1] for r in rows if r["family"] == "fixed")  # fixed work every pass
+    # the median pass call by call (batch 8: one call of 8 requests; batch 1: one call per request)
+    assert all(len(r["call_steps"]) == len(r["call_mean_draft_tokens"]) == (1 if r["batch"] == 8 else 2) for r in rows)
+    assert all(sum(r["call_steps"]) == r["steps"] for r in rows)
+    assert all(("last_call_trace" in r) == (r["batch"] == 1 and r["family"] != "fixed") for r in rows)
     # every adaptive run traces its steps: [active rows, longest draft, mean draft, drafters used, ms]
     traced = [r for r in rows if r["family"] != "fixed"]
     assert traced and all(r["trace"] and all(len(t) == 6 and t[0] >= 1 and t[4] > t[5] >= 0 for t in r["trace"]) for r in traced)
