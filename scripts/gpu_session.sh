@@ -12,12 +12,15 @@
 #             16 requests) needs a call of its own on a warm machine, as does batch 1
 #   zoo       only the gpu zoo build (and a short compile of its models), for later calls on the
 #             same machine (it stays warm for about 30 s after a call)
-#   p16-64, p4, p1   the three parts of one policies run, one call each right after the zoo call
+#   p64, p16, p4, p1   the parts of one policies run, one call each right after the zoo call
 #             (set SPECDEC_ZOO_DIR as the zoo call did; the machine goes back 30 minutes after it
-#             started; run 18's zoo + parts held it 1700 s): batch 64 and 16 (3 grid passes of 2
-#             calls, then 8 head-to-head rounds per cell), batch 4 (3 passes, 8 rounds), batch 1 (3
-#             passes, 6 rounds, a profile of 8 requests x 2 rounds); merge with `python -m specdec bench --policies --merge` (a part cut by its
-#             time limit lists its skipped cells)
+#             started): 3 grid passes per method (of 2 calls at batch 16 and 64), then 8 head-to-head
+#             rounds per cell (6 at batch 1; a batch-1 profile of 8 requests x 2 rounds). Run 19's
+#             machine took 434 s for the zoo call, 519 s for batch 64 (a cell 105-110 s), 359 s for
+#             batch 16 and 275 s for batch 4's first cell: the four parts no longer fit one
+#             session's 1800 s of device time with the zoo, so a session measures three of them.
+#             Merge with `python -m specdec bench --policies --merge` (a part cut by its time limit
+#             lists its skipped cells)
 #   demo      python -m specdec demo --preset gpu --device cuda
 #   noise     scripts/noise_probe.py: identical passes timed default, pinned, one thread, GPU warmed
 #             (about 1.5 minutes after the zoo build)
@@ -58,7 +61,8 @@ policies_part() {
     | grep -E "elapsed|wrote|skipped|warning:|Error|head to head" | tail -12
 }
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
-[[ " $PARTS " =~ " p16-64 " ]] && policies_part b16-64 --batch-sizes 64,16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 440
+[[ " $PARTS " =~ " p64 " ]] && policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420
+[[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420
 [[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 330
 [[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 330 --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"

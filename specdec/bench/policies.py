@@ -16,7 +16,9 @@ pass of every method, in an order rotated from round to round (requests at batch
 max(pass_calls x B, num_prompts) in calls of B; batch 1: the first batch1_prompts, one per call), each pass
 with a fresh policy, the device synchronised around it and the garbage collector paused during
 it; tokens/s from each method's median pass. Interleaving puts a slow spell of the machine on
-every method alike. ``--merge`` joins runs made at different batch
+every method alike. Then the cell's head-to-head rounds (bench.head_to_head): the targeted
+policies against their references as the grid chose them, and a twin of the best fixed pair,
+``head_to_head_rounds`` rounds; the targets are read from both. ``--merge`` joins runs made at different batch
 sizes (one GPU call each) into one report.
 
 Invariant: every output of every run is compared token for token with plain decoding of the
