@@ -1033,8 +1033,8 @@ def merge(results: list[dict]) -> dict:
         differing += [k for k in ("dtype", "zoo", "drafters", "policy_drafter") if reference.get(k) != other.get(k)]
         if differing:
             raise ValueError(f"cannot merge runs whose settings differ in {differing}: run them with the same options "
-                             "except --batch-sizes, --workloads, --time-limit-s, --repeats, --profile-prompts and "
-                             "--profile-repeats")
+                             "except --batch-sizes, --workloads, --time-limit-s, --repeats, --profile-prompts, "
+                             "--profile-repeats and --head-to-head-rounds")
     seen: dict[tuple[int, str], int] = {}  # (batch, workload) -> the part that measured it
     for i, part in enumerate(results):
         for cell in {(r["batch"], r["workload"]) for r in part["rows"]}:

@@ -193,3 +193,14 @@ def test_measure_cell_times_the_contenders_after_the_grid_each_pass_from_the_his
     _, none = measure_cell(target, {"lookup": PromptLookupDrafter()}, methods, "mixed", prompts,
                            np.zeros(4, dtype=np.int64), 2, replace(settings, head_to_head_rounds=0), None, False, False)
     assert none is None
+
+
+def test_the_rounds_option_reaches_the_settings_and_refuses_a_negative_count():
+    from specdec.bench.policies import parser, settings_from
+
+    assert settings_from(parser().parse_args([])).head_to_head_rounds == 8
+    assert settings_from(parser().parse_args(["--head-to-head-rounds", "0"])).head_to_head_rounds == 0
+    assert settings_from(parser().parse_args(["--quick"])).head_to_head_rounds == 2
+    assert settings_from(parser().parse_args(["--quick", "--head-to-head-rounds", "5"])).head_to_head_rounds == 5
+    with pytest.raises(SystemExit, match="--head-to-head-rounds must be >= 0"):
+        settings_from(parser().parse_args(["--head-to-head-rounds", "-1"]))

@@ -15,6 +15,7 @@ import pytest
 from specdec.__main__ import main
 from specdec.bench.policies import (kind_oracle_bound, markdown, merge, policy_targets, same_decision_pairs,
                                     timing_conditions)
+from specdec.bench.policy_targets import head_to_head_targets
 from specdec.policies import CostModel, FixedPolicy
 
 
@@ -130,14 +131,18 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
     whole = json.loads(quick_run.read_text())
     parts = []
     for batch in (8, 1):
-        part = {**whole, "settings": {**whole["settings"], "batch_sizes": [batch]},
-                "rows": [r for r in whole["rows"] if r["batch"] == batch]}
+        # the parts may differ in their head-to-head rounds (a per-part setting)
+        part = {**whole, "settings": {**whole["settings"], "batch_sizes": [batch], "head_to_head_rounds": batch},
+                "rows": [r for r in whole["rows"] if r["batch"] == batch],
+                "head_to_head": [r for r in whole["head_to_head"] if r["batch"] == batch]}
         parts.append(tmp_path / f"part{batch}.json")
         parts[-1].write_text(json.dumps(part))
     assert main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path), "--name", "merged"]) == 0
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert sorted(map(json.dumps, merged["rows"])) == sorted(map(json.dumps, whole["rows"]))
     assert merged["targets"] == policy_targets(whole) and merged["settings"]["batch_sizes"] == [1, 8]
+    assert sorted(map(json.dumps, merged["head_to_head"])) == sorted(map(json.dumps, whole["head_to_head"]))
+    assert merged["head_to_head_targets"] == head_to_head_targets(whole) and merged["settings"]["head_to_head_rounds"] == [8, 1]
     assert len(merged["parts"]) == 2 and "part 2 of 2: batch sizes [1]" in (tmp_path / "merged.md").read_text()
     with pytest.raises(SystemExit, match="both measured batch 8"):
         main(["bench", "--policies", "--merge", str(parts[0]), str(parts[0]), "--out", str(tmp_path)])
