@@ -89,13 +89,19 @@ def round_orders(count: int, rounds: int) -> list[list[int]]:
     return [[(i + r) % count for i in range(count)] for r in range(rounds)]
 
 
-def run_rounds(count: int, rounds: int, timed_pass: Callable[[int], tuple[float, list]]) -> list[list[tuple[float, list]]]:
+def run_rounds(count: int, rounds: int, timed_pass: Callable[[int], tuple[float, list]],
+               labels: Sequence[str] | None = None) -> list[list[tuple[float, list]]]:
     """Every entry once per round (``round_orders``) -> per entry, per round (seconds, sequences)
-    of ``timed_pass(entry)``."""
+    of ``timed_pass(entry)``. A pass that raises raises RuntimeError naming the entry (its
+    ``labels`` name) and the round."""
     passes: list[list[tuple[float, list]]] = [[] for _ in range(count)]
-    for order in round_orders(count, rounds):
+    for number, order in enumerate(round_orders(count, rounds), start=1):
         for entry in order:
-            passes[entry].append(timed_pass(entry))
+            try:
+                passes[entry].append(timed_pass(entry))
+            except Exception as error:
+                name = labels[entry] if labels is not None else f"entry {entry}"
+                raise RuntimeError(f"{name}, round {number} of {rounds}: {type(error).__name__}: {error}") from error
     return passes
 
 
@@ -108,7 +114,8 @@ def paired_ratios(policy: list[tuple[float, list]], reference: list[tuple[float,
 def record(methods: Sequence, entries: list[int], comparisons: list[tuple[int, int, str]],
            passes: list[list[tuple[float, list]]], plain_sequences: list) -> dict:
     """The cell's head-to-head result (JSON): every entry's passes and whether each output equals
-    plain decoding's, and every comparison's paired ratios and their median."""
+    plain decoding's, and every comparison's paired ratios and their median (``identical``: the
+    policy's passes; a reference's own are in its entry)."""
     described = [{"method": methods[i].name, "family": methods[i].family, "variant": methods[i].variant,
                   "pass_seconds": [s for s, _ in passes[e]], "tokens": [sum(map(len, q)) for _, q in passes[e]],
                   "identical": all(q == plain_sequences for _, q in passes[e])}
@@ -119,7 +126,7 @@ def record(methods: Sequence, entries: list[int], comparisons: list[tuple[int, i
         found.append({"policy": described[a]["method"], "family": described[a]["family"],
                       "variant": described[a]["variant"], "reference": relation,
                       "reference_method": described[b]["method"], "paired": paired, "median": float(np.median(paired)),
-                      "identical": described[a]["identical"] and described[b]["identical"]})
+                      "identical": described[a]["identical"]})
     return {"rounds": len(passes[0]) if passes else 0, "entries": described, "comparisons": found}
 
 
@@ -135,7 +142,7 @@ def markdown_lines(records: list[dict], targets: list[dict]) -> list[str]:
     """The report's head-to-head section: the targets, then every comparison of every cell."""
     if not records:
         return []
-    rounds = sorted({r["rounds"] for r in records})
+    rounds = sorted({r["rounds"] for r in records if not r.get("error")}) or sorted({r["rounds"] for r in records})
     lines = ["", "## Targets, head to head", "",
              f"After each cell's grid, its targeted policies and their references as the grid chose them were timed in "
              f"{'/'.join(map(str, rounds))} more rounds, every entry once per round in rotated order, with the first best "
@@ -146,6 +153,10 @@ def markdown_lines(records: list[dict], targets: list[dict]) -> list[str]:
         by_batch = ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in t["per_batch"].items())
         lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {by_batch} | "
                      f"{'yes' if t['identical'] else 'no'} | {'yes' if t['met'] else 'no'} |")
+    failed = [r for r in records if r.get("error")]
+    if failed:
+        lines += ["", "Head-to-head rounds that failed (their targets fail there): " +
+                  "; ".join(f"{r['workload']} b{r['batch']}: {r['error']}" for r in failed) + "."]
     twins = twin_ratios(records)
     if twins:
         lines += ["", "A/A check, each cell's twin (the same fixed pair timed twice a round): median paired ratio "

@@ -436,11 +436,12 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         cell_started = time.perf_counter()
         measured, confirmation = measure_cell(target, drafters, grid_methods, workload_name, prompts, kinds, batch,
                                               settings, eos, graphs, compiled, cpus, history=past)
+        # the cell's time beyond its rows' passes (the head-to-head rounds), added after its rows' progress lines
+        beyond_rows = time.perf_counter() - cell_started - sum(r["elapsed_s"] for r in measured)
         if confirmation is not None:
             result["head_to_head"].append({"workload": workload_name, "batch": batch, **confirmation})
             log(f"head to head, {workload_name} b{batch}, {confirmation['rounds']} rounds: " + (confirmation.get("error") or "; ".join(
                 f"{c['policy']} / {c['reference']} {c['median']:.3f}" for c in confirmation["comparisons"])))
-            seconds_done += time.perf_counter() - cell_started - sum(r["elapsed_s"] for r in measured)
         rebuilt = _runner_ids(models) != before
         reference = measured[0].get("sequences")  # plain decoding comes first
         for index, (method, row) in enumerate(zip(grid_methods, measured), start=1):
@@ -464,6 +465,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
                        for b, _ in cells[number + 1 :]) * len(grid_methods) * settings.max_new_tokens \
                 * seconds_done / max(units_done, 1e-9)
             log(progress_line(row, result["rows"], number * len(grid_methods) + index, total, elapsed(), left))
+        seconds_done += beyond_rows
         save(result)
     result["timings"]["runs_s"] = time.perf_counter() - runs_started
     result["timings"]["total_s"] = elapsed()
@@ -516,9 +518,10 @@ def timing_cpus(settings: PolicyBenchSettings) -> list[int] | None:
 
 def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: str, prompts: list[list[int]],
                  kinds: np.ndarray, batch: int, settings: PolicyBenchSettings, eos, graphs: bool,
-                 compiled: bool, cpus: list[int] | None = None, history: list[list[int]] = ()) -> list[dict]:
-    """Every method on one workload at one batch size -> a row per method (with its sequences,
-    for the comparison). First one short untimed warm-up call per method, and each learning
+                 compiled: bool, cpus: list[int] | None = None, history: list[list[int]] = ()) -> tuple[list[dict], dict | None]:
+    """Every method on one workload at one batch size -> (a row per method (with its sequences,
+    for the comparison), the cell's head-to-head record or None: time_head_to_head, after the
+    grid, with ``settings.head_to_head_rounds`` rounds). First one short untimed warm-up call per method, and each learning
     policy serves ``history`` (held-out requests, in calls of ``batch``, untimed); then ``repeats``
     rounds, each timing one pass of every method (the order rotated from round to round), so a
     slow spell of the machine falls on every method alike rather than on one method's passes.
@@ -583,7 +586,7 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
             for index in order:
                 if index in errors:
                     continue
-                started = time.perf_counter()
+                started = time.perf_counter()  # elapsed_s: passes with their set-up (policy copy, GPU warm-up)
                 try:
                     passes[index].append(timed_pass(index))
                 except Exception as error:  # noqa: BLE001
@@ -605,30 +608,32 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
 
 def median_pass_rate(passes: list[tuple]) -> float:
     """Tokens/s of a method's median pass (the slower middle one for an even count), as its row reads it."""
-    seconds = sorted(p[0] for p in passes)[len(passes) // 2]
-    return sum(len(s) for out in passes[0][1] for s in out.sequences) / seconds
+    seconds, outputs, *_ = passes[int(np.argsort([p[0] for p in passes])[len(passes) // 2])]
+    return sum(len(s) for out in outputs for s in out.sequences) / seconds
 
 
 def time_head_to_head(grid_methods: list[Method], passes: list[list[tuple]], errors: dict, rounds: int,
                       timed_pass: Callable[[int], tuple]) -> dict | None:
     """The cell's head-to-head rounds (bench.head_to_head), after its grid: the contenders and
     their references chosen from the grid's median passes, ``rounds`` rounds of them -> the
-    record (None: no contender ran). A pass that raises ends the rounds, recorded as ``error``."""
-    rates = {i: median_pass_rate(p) for i, p in enumerate(passes) if p and i not in errors}
-    entries, comparisons = head_to_head.plan(grid_methods, rates)
-    if not comparisons:
-        return None
-    plain_sequences = [s for out in passes[0][0][1] for s in out.sequences]
-
-    def entry_pass(entry: int) -> tuple[float, list]:
-        seconds, outputs, *_ = timed_pass(entries[entry])
-        return seconds, [s for out in outputs for s in out.sequences]
-
+    record (None: no contender ran). Anything that raises ends the rounds, recorded as ``error``
+    (which method, which round), and fails the cell's head-to-head targets; the run goes on."""
     try:
-        timed = head_to_head.run_rounds(len(entries), rounds, entry_pass)
+        rates = {i: median_pass_rate(p) for i, p in enumerate(passes) if p and i not in errors}
+        entries, comparisons = head_to_head.plan(grid_methods, rates)
+        if not comparisons:
+            return None
+        plain_sequences = [s for out in passes[0][0][1] for s in out.sequences]
+
+        def entry_pass(entry: int) -> tuple[float, list]:
+            seconds, outputs, *_ = timed_pass(entries[entry])
+            return seconds, [s for out in outputs for s in out.sequences]
+
+        timed = head_to_head.run_rounds(len(entries), rounds, entry_pass,
+                                        labels=[grid_methods[i].name for i in entries])
+        return head_to_head.record(grid_methods, entries, comparisons, timed, plain_sequences)
     except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
-        return {"error": f"{type(error).__name__}: {str(error)[:300]}", "rounds": 0, "entries": [], "comparisons": []}
-    return head_to_head.record(grid_methods, entries, comparisons, timed, plain_sequences)
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}", "rounds": rounds, "entries": [], "comparisons": []}
 
 
 def serve_history(target, policy: Policy, prompts: list[list[int]], batch: int, max_new_tokens: int,
@@ -732,10 +737,10 @@ def estimate(settings: PolicyBenchSettings, num_drafters: int) -> str:
                 for b in settings.batch_sizes)
     runs = num_methods * len(settings.workloads) * len(settings.batch_sizes)
     return (f"plan: {runs} runs ({num_methods} methods x {len(settings.workloads)} workloads x "
-            f"{len(settings.batch_sizes)} batch sizes), {calls * num_methods * len(settings.workloads)} timed "
-            f"generate() calls of up to {settings.max_new_tokens} new tokens per pass, {settings.repeats} passes each, "
-            f"plus one short warm-up call per run; then per cell {settings.head_to_head_rounds} head-to-head rounds of "
-            f"up to {2 * len(head_to_head.CONTENDERS) + 1} passes")
+            f"{len(settings.batch_sizes)} batch sizes), each timed in {settings.repeats} passes: one pass of every run "
+            f"is {calls * num_methods * len(settings.workloads)} generate() calls of up to {settings.max_new_tokens} new "
+            f"tokens; plus one short warm-up call per run; then per cell {settings.head_to_head_rounds} head-to-head "
+            f"rounds of up to {2 * len(head_to_head.CONTENDERS) + 1} passes")
 
 
 # --- report ----------------------------------------------------------------------------------

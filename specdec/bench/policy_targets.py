@@ -10,6 +10,8 @@ output there was identical to plain decoding; a failed policy run fails it.
 
 from __future__ import annotations
 
+from . import head_to_head
+
 
 GOODPUT_VS_PLAIN = 0.97  # never more than 3% slower than plain decoding
 WITHIN_BEST_FIXED = 0.95  # within 5% of the best fixed length in hindsight
@@ -96,34 +98,35 @@ def policy_targets(result: dict) -> list[dict]:
 
 def head_to_head_targets(result: dict) -> list[dict]:
     """The targets of the policies timed head to head (``bench.head_to_head``), from each
-    comparison's median paired ratio over its rounds; identical needs the policy's grid run and
-    every one of its head-to-head passes identical to plain decoding. A policy with no
-    comparison at some measured batch size (its grid run failed) fails there."""
+    comparison's median paired ratio over its rounds, at every (workload, batch size) cell where
+    the policy has a grid run. A cell reads as failed (None) where the policy's grid run failed,
+    where its rounds failed or did not run (no record: no rounds asked for, or a part from before
+    them), or where the comparison is missing; identical needs the policy's grid run and every one
+    of its head-to-head passes identical to plain decoding. [] for results without rounds."""
     records = result.get("head_to_head") or []
+    if not records:
+        return []
     rows = result.get("rows", [])
-    grid_identical = {(r["workload"], r["batch"], r["method"]): bool(r.get("identical")) for r in rows if not r.get("error")}
+    by_cell = {(r["workload"], r["batch"]): r for r in records}
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
     found = []
-    workloads = list(dict.fromkeys(r["workload"] for r in records))
-    for family, variant, relation in TARGET_ORDER:
-        chosen = [c for r in records for c in r["comparisons"] if c["family"] == family and c["reference"] == relation
-                  and (variant is None or c["variant"] == variant)]
-        for v in dict.fromkeys(c["variant"] for c in chosen):
+    for family, variant in head_to_head.CONTENDERS:
+        for relation in head_to_head.REFERENCES[family]:
             for w in workloads:
+                mine = sorted((r for r in rows if (r["family"], r["variant"], r["workload"]) == (family, variant, w)),
+                              key=lambda r: r["batch"])
                 per_batch, identical = {}, True
-                for record in sorted((r for r in records if r["workload"] == w), key=lambda r: r["batch"]):
-                    mine = next((c for c in record["comparisons"] if (c["family"], c["variant"], c["reference"]) ==
-                                 (family, v, relation)), None)
-                    if mine is None:  # the policy's grid run or the rounds failed: the target fails there
-                        failed = record.get("error") or any(
-                            r["error"] for r in rows if (r["workload"], r["batch"], r["family"], r["variant"]) ==
-                            (w, record["batch"], family, v))
-                        if failed:
-                            per_batch[record["batch"]] = None
+                for row in mine:
+                    record = by_cell.get((w, row["batch"]))
+                    comparison = None if row.get("error") or record is None else next(
+                        (c for c in record["comparisons"] if c["policy"] == row["method"] and c["reference"] == relation), None)
+                    if comparison is None:
+                        per_batch[row["batch"]] = None
                         continue
-                    per_batch[record["batch"]] = mine["median"]
-                    identical &= mine["identical"] and grid_identical.get((w, record["batch"], mine["policy"]), False)
+                    per_batch[row["batch"]] = comparison["median"]
+                    identical &= bool(comparison["identical"]) and bool(row.get("identical"))
                 if per_batch:
-                    found.append(verdict(family, v, w, relation, per_batch, identical, "head-to-head"))
+                    found.append(verdict(family, variant, w, relation, per_batch, identical, "head-to-head"))
     return found
 
 

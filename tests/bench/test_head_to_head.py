@@ -73,6 +73,16 @@ def test_rounds_rotate_so_every_entry_runs_at_every_place():
     passes = head_to_head.run_rounds(3, 2, lambda e: (seen.append(e) or (1.0 + e, [[e]])))
     assert seen == [0, 1, 2, 1, 2, 0] and [len(p) for p in passes] == [2, 2, 2] and passes[2][0] == (3.0, [[2]])
 
+    def failing(entry):  # entry 2's second pass raises
+        seen.append(entry)
+        if entry == 2 and seen.count(2) == 2:
+            raise ValueError("out of memory")
+        return 1.0, [[entry]]
+
+    seen = []
+    with pytest.raises(RuntimeError, match=r"^policy c, round 2 of 3: ValueError: out of memory$"):
+        head_to_head.run_rounds(3, 3, failing, labels=["a", "b", "policy c"])
+
 
 def test_the_record_pairs_each_round_and_reads_the_median():
     """The policy's passes: 2 s, 1 s, 1.1 s for 10 tokens; the reference's: 1 s, 1 s, 1 s for 10
@@ -91,6 +101,10 @@ def test_the_record_pairs_each_round_and_reads_the_median():
     record = head_to_head.record(methods, [5, 0], [(0, 1, "plain")], passes, plain_sequences=same)
     assert not record["entries"][0]["identical"] and record["entries"][1]["identical"]
     assert not record["comparisons"][0]["identical"]
+    # a reference's output that differs is its entry's, not the policy's comparison's
+    passes[0][2], passes[1][0] = (1.1, same), (1.0, other)
+    record = head_to_head.record(methods, [5, 0], [(0, 1, "plain")], passes, plain_sequences=same)
+    assert record["comparisons"][0]["identical"] and not record["entries"][1]["identical"]
 
 
 def _record(workload, batch, finish_vs_plain, finish_vs_best, call_vs_single, twin=1.0, identical=True):
@@ -134,16 +148,20 @@ def test_targets_from_the_rounds_are_met_only_at_every_batch_size_with_identical
           head_to_head_targets({"rows": rows, "head_to_head": records})}
     assert not by["bandit", "best_single", "mixed"]["met"] and not by["bandit", "best_single", "mixed"]["identical"]
     assert not by["goodput", "plain", "mixed"]["met"]
-    # a policy whose grid run failed at a batch size, or rounds that failed there: the target fails
-    records = [_record("mixed", 1, 1.2, 0.97, 1.12), {**_record("mixed", 8, 1.1, 1.0, 1.2), "comparisons": []}]
+    # a policy whose grid run failed at a batch size, its comparison missing there, rounds that failed there
+    # or none at all (no record): the target fails there, however the other batch sizes read
+    records = [_record("mixed", 1, 1.2, 0.97, 1.12), _record("mixed", 8, 1.1, 1.0, 1.2)]
     by = {(t["policy"], t["reference"]): t for t in head_to_head_targets(
         {"rows": _grid_rows(cells[:2], error_at=("mixed", 8, "goodput")), "head_to_head": records})}
     assert by["goodput", "plain"]["per_batch"] == {"1": 1.2, "8": None} and not by["goodput", "plain"]["met"]
-    assert ("bandit", "best_single") in by and by["bandit", "best_single"]["per_batch"] == {"1": 1.12}
-    records[1]["error"] = "RuntimeError: boom"
-    by = {(t["policy"], t["reference"]): t for t in head_to_head_targets({"rows": _grid_rows(cells[:2]), "head_to_head": records})}
-    assert by["bandit", "best_single"]["per_batch"] == {"1": 1.12, "8": None} and not by["bandit", "best_single"]["met"]
-    assert head_to_head_targets({"rows": []}) == []
+    assert by["bandit", "best_single"]["per_batch"] == {"1": 1.12, "8": 1.2} and by["bandit", "best_single"]["met"]
+    for broken in ({**records[1], "comparisons": []}, {**records[1], "comparisons": [], "error": "RuntimeError: boom"}, None):
+        cell_records = [records[0]] + ([broken] if broken is not None else [])
+        by = {(t["policy"], t["reference"]): t for t in head_to_head_targets({"rows": _grid_rows(cells[:2]),
+                                                                              "head_to_head": cell_records})}
+        assert by["bandit", "best_single"]["per_batch"] == {"1": 1.12, "8": None} and not by["bandit", "best_single"]["met"]
+        assert not by["goodput", "best_fixed"]["met"]
+    assert head_to_head_targets({"rows": _grid_rows(cells[:2])}) == []  # results from before the rounds
 
 
 def test_the_report_shows_the_head_to_head_targets_twins_and_comparisons():
@@ -204,3 +222,49 @@ def test_the_rounds_option_reaches_the_settings_and_refuses_a_negative_count():
     assert settings_from(parser().parse_args(["--quick", "--head-to-head-rounds", "5"])).head_to_head_rounds == 5
     with pytest.raises(SystemExit, match="--head-to-head-rounds must be >= 0"):
         settings_from(parser().parse_args(["--head-to-head-rounds", "-1"]))
+
+
+class FailsOnNthMake:
+    """A factory of FixedPolicy(2) whose ``n``-th policy raises at its first plan."""
+
+    def __init__(self, n):
+        self.n, self.made = n, 0
+
+    def __call__(self, workload):
+        self.made += 1
+        policy = FixedPolicy(2)
+        if self.made == self.n:
+            def broken(batch, num_drafters):
+                raise RuntimeError("drafter crashed")
+            policy.plan = broken
+        return policy
+
+
+def test_a_pass_that_raises_in_the_rounds_records_the_error_and_fails_the_cell_s_targets():
+    """BatchAdaptivePolicy (no history: a fresh policy each pass) whose 4th policy raises: the
+    warm-up and the 2 grid passes made 3, so the head-to-head's first round raises. The grid's
+    rows stand; the record names the method and round; the cell's target fails."""
+    from specdec.drafters import PromptLookupDrafter
+    from tests.tiny import make_model, random_prompts
+
+    target = make_model("llama", seed=0)
+    prompts = random_prompts(4, 96, seed=1, min_len=4)
+    methods = [Method("plain", "plain", "", (), 0, lambda w: FixedPolicy(0)),
+               Method("fixed lookup k=2", "fixed", "", ("lookup",), 2, lambda w: FixedPolicy(2)),
+               Method("adaptive", "batch_adaptive", "", ("lookup",), 8, FailsOnNthMake(4))]
+    settings = replace(PolicyBenchSettings(device="cpu", max_new_tokens=6, repeats=2, warmup_tokens=2,
+                                           head_to_head_rounds=3), timing_threads=None)
+    rows, record = measure_cell(target, {"lookup": PromptLookupDrafter()}, methods, "mixed", prompts,
+                                np.zeros(4, dtype=np.int64), 2, settings, None, False, False)
+    assert all(not r.get("error") for r in rows), rows
+    assert record["error"].startswith("RuntimeError: adaptive, round 1 of 3: RuntimeError: drafter crashed")
+    assert record["rounds"] == 3 and record["comparisons"] == []
+    grid = [{**_row("mixed", 2, m.family, 100.0, m.variant, m.drafters, m.length), "method": m.name} for m in methods]
+    [target_row] = head_to_head_targets({"rows": grid, "head_to_head": [{"workload": "mixed", "batch": 2, **record}]})
+    assert target_row["per_batch"] == {"2": None} and not target_row["met"]
+    report = markdown({"environment": {"command": "c", "commit": "abc", "time": "now", "cpu": "x", "torch": "2",
+                                       "transformers": "5", "specdec": "0.1"},
+                       "settings": {"preset": "tiny", "dtype": "auto", "max_new_tokens": 8, "batch1_prompts": 2,
+                                    "num_prompts": 8}, "drafters": ["lookup"], "policy_drafter": "lookup", "rows": grid,
+                       "head_to_head": [{"workload": "mixed", "batch": 2, **record}]})
+    assert "Head-to-head rounds that failed (their targets fail there): mixed b2: RuntimeError: adaptive, round 1" in report
