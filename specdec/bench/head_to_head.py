@@ -36,21 +36,27 @@ CONTENDERS = (("goodput", "finish"), ("batch_adaptive", ""), ("bandit", "batch-c
 REFERENCES = {"goodput": ("plain", "best_fixed"), "batch_adaptive": ("best_fixed",), "bandit": ("best_single",)}
 
 
-def reference_index(methods: Sequence, rates: dict[int, float], policy, relation: str) -> int | None:
-    """The grid's choice of ``policy``'s reference: the fastest (``rates``: method index ->
-    tokens/s of its median pass; failed methods absent) of plain decoding ("plain"), of plain
-    decoding and every fixed length of the policy's drafter ("best_fixed"), or of every fixed
-    pair of one of its drafters at its own length ("best_single")."""
+def is_reference(relation: str, family: str, drafters: Sequence[str], length: int,
+                 policy_drafters: Sequence[str], policy_length: int) -> bool:
+    """Whether a run (its family, drafters and length) is a candidate for a policy's reference
+    (the policy's drafters and length): plain decoding ("plain"); plain decoding or any fixed
+    length of the policy's drafter ("best_fixed"); a fixed pair of one of its drafters at its own
+    length ("best_single"). The fastest candidate is the reference, here and in the grid's
+    targets (bench.policy_targets)."""
     if relation == "plain":
-        candidates = [i for i, m in enumerate(methods) if m.family == "plain"]
-    elif relation == "best_fixed":
-        candidates = [i for i, m in enumerate(methods)
-                      if m.family == "plain" or (m.family == "fixed" and tuple(m.drafters) == tuple(policy.drafters))]
-    elif relation == "best_single":
-        candidates = [i for i, m in enumerate(methods)
-                      if m.family == "fixed" and m.length == policy.length and m.drafters[0] in policy.drafters]
-    else:
-        raise ValueError(f"unknown reference {relation!r}; one of plain, best_fixed, best_single")
+        return family == "plain"
+    if relation == "best_fixed":
+        return family == "plain" or (family == "fixed" and tuple(drafters) == tuple(policy_drafters))
+    if relation == "best_single":
+        return family == "fixed" and length == policy_length and drafters[0] in policy_drafters
+    raise ValueError(f"unknown reference {relation!r}; one of plain, best_fixed, best_single")
+
+
+def reference_index(methods: Sequence, rates: dict[int, float], policy, relation: str) -> int | None:
+    """The grid's choice of ``policy``'s reference: the fastest candidate (is_reference) by
+    ``rates`` (method index -> tokens/s of its median pass; failed methods absent)."""
+    candidates = [i for i, m in enumerate(methods)
+                  if is_reference(relation, m.family, m.drafters, m.length, policy.drafters, policy.length)]
     return max((i for i in candidates if i in rates), key=rates.__getitem__, default=None)
 
 
@@ -138,8 +144,9 @@ def twin_ratios(records: list[dict]) -> list[dict]:
             for r in records for c in r["comparisons"] if c["reference"] == "twin"]
 
 
-def markdown_lines(records: list[dict], targets: list[dict]) -> list[str]:
-    """The report's head-to-head section: the targets, then every comparison of every cell."""
+def markdown_lines(records: list[dict], target_table: list[str]) -> list[str]:
+    """The report's head-to-head section: how the rounds ran, ``target_table`` (the lines of the
+    targets' table, bench.policy_targets.target_table), then every comparison of every cell."""
     if not records:
         return []
     rounds = sorted({r["rounds"] for r in records if not r.get("error")}) or sorted({r["rounds"] for r in records})
@@ -147,12 +154,7 @@ def markdown_lines(records: list[dict], targets: list[dict]) -> list[str]:
              f"After each cell's grid, its targeted policies and their references as the grid chose them were timed in "
              f"{'/'.join(map(str, rounds))} more rounds, every entry once per round in rotated order, with the first best "
              "fixed pair twice (its twin: the cell's A/A check). A ratio is the median over rounds of the policy's "
-             "tokens/s over the reference's in the same round (bench.head_to_head).", "",
-             "| target | workload | worst ratio | ratio by batch size | identical | met |", "|---|---|---|---|---|---|"]
-    for t in targets:
-        by_batch = ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in t["per_batch"].items())
-        lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {by_batch} | "
-                     f"{'yes' if t['identical'] else 'no'} | {'yes' if t['met'] else 'no'} |")
+             "tokens/s over the reference's in the same round (bench.head_to_head).", "", *target_table]
     failed = [r for r in records if r.get("error")]
     if failed:
         lines += ["", "Head-to-head rounds that failed (their targets fail there): " +

@@ -70,11 +70,13 @@ from . import head_to_head
 from .affinity import gpu_local_cpus, pinned, torch_threads, warm_gpu
 from .harness import agreement, environment, synchronise
 from .policy_targets import (
+    by_batch_text,
     fastest_pass_rows,
     head_to_head_targets,
     kind_oracle_bound,
     policy_targets,
     same_decision_pairs,
+    target_table,
 )
 
 LOOKUP = "prompt lookup"
@@ -606,10 +608,20 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     return rows, confirmation
 
 
+def median_pass_index(passes: list[tuple]) -> int:
+    """The median of a method's passes [(seconds, ...)] by time: the slower middle one for an even count."""
+    return int(np.argsort([p[0] for p in passes])[len(passes) // 2])
+
+
+def pass_sequences(outputs: list) -> list:
+    """A pass's output sequences, its calls' in order."""
+    return [s for out in outputs for s in out.sequences]
+
+
 def median_pass_rate(passes: list[tuple]) -> float:
-    """Tokens/s of a method's median pass (the slower middle one for an even count), as its row reads it."""
-    seconds, outputs, *_ = passes[int(np.argsort([p[0] for p in passes])[len(passes) // 2])]
-    return sum(len(s) for out in outputs for s in out.sequences) / seconds
+    """Tokens/s of a method's median pass, as its row reads it."""
+    seconds, outputs, *_ = passes[median_pass_index(passes)]
+    return sum(map(len, pass_sequences(outputs))) / seconds
 
 
 def time_head_to_head(grid_methods: list[Method], passes: list[list[tuple]], errors: dict, rounds: int,
@@ -623,11 +635,11 @@ def time_head_to_head(grid_methods: list[Method], passes: list[list[tuple]], err
         entries, comparisons = head_to_head.plan(grid_methods, rates)
         if not comparisons:
             return None
-        plain_sequences = [s for out in passes[0][0][1] for s in out.sequences]
+        plain_sequences = pass_sequences(passes[0][0][1])
 
         def entry_pass(entry: int) -> tuple[float, list]:
             seconds, outputs, *_ = timed_pass(entries[entry])
-            return seconds, [s for out in outputs for s in out.sequences]
+            return seconds, pass_sequences(outputs)
 
         timed = head_to_head.run_rounds(len(entries), rounds, entry_pass,
                                         labels=[grid_methods[i].name for i in entries])
@@ -667,11 +679,11 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
     statistics from the median pass (the slower middle one for an even count; adaptive policies
     may choose differently from pass to pass), every pass's output checked against the first."""
     timings = [p[0] for p in passes]
-    chosen = int(np.argsort(timings)[len(timings) // 2])
+    chosen = median_pass_index(passes)
     seconds, outputs, tallies, policy, at_start = passes[chosen]
-    every_pass = [[s for out in outs for s in out.sequences] for _, outs, *_ in passes]
+    every_pass = [pass_sequences(outs) for _, outs, *_ in passes]
     calibration = getattr(policy, "calibration", None)  # GoodputPolicy's measured corrections, by active rows
-    sequences = [s for out in outputs for s in out.sequences]
+    sequences = pass_sequences(outputs)
     tokens = sum(map(len, sequences))
     row_steps = sum(out.stats.row_steps for out in outputs)
     by_kind_steps = sum(t.row_steps for t in tallies)
@@ -750,11 +762,6 @@ def _ratio_to_plain(rows: list[dict]) -> dict:
             if not r["error"] and (r["workload"], r["batch"]) in plain}
 
 
-def _by_batch(target: dict) -> str:
-    """A target's ratio at each batch size, for the report's tables."""
-    return ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in target["per_batch"].items())
-
-
 
 def timing_conditions(settings: dict, cpus: list[int] | None) -> str:
     """One line on how the passes were timed (results written before a setting existed: its old
@@ -831,13 +838,9 @@ def markdown(result: dict) -> str:
                      f"fitted acceptance rate {part['acceptance_rate']:.3f} (GoodputPolicy's prior); "
                      f"BatchAdaptivePolicy's table batch -> length {part['batch_adaptive_table']}")
     confirmed = result.get("head_to_head") or []
-    lines += head_to_head.markdown_lines(confirmed, result.get("head_to_head_targets") or head_to_head_targets(result))
-    targets = result.get("targets") or policy_targets(result)
+    lines += head_to_head.markdown_lines(confirmed, target_table(result.get("head_to_head_targets") or head_to_head_targets(result)))
     lines += ["", "## Targets, from the grid's median pass" if confirmed else "## Targets", "",
-              "| target | workload | worst ratio | ratio by batch size | identical | met |", "|---|---|---|---|---|---|"]
-    for t in targets:
-        lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {_by_batch(t)} | "
-                     f"{'yes' if t['identical'] else 'no'} | {'yes' if t['met'] else 'no'} |")
+              *target_table(result.get("targets") or policy_targets(result))]
     measured = {w: sorted({r["batch"] for r in rows if r["workload"] == w and not r["error"]}) for w in
                 dict.fromkeys(r["workload"] for r in rows)}
     lines += ["", "Batch sizes measured, by workload: " + "; ".join(f"{w} {b}" for w, b in measured.items()) +
@@ -854,7 +857,7 @@ def markdown(result: dict) -> str:
                   "(interference only slows a pass down):", "", "| target | workload | worst ratio | ratio by batch size |",
                   "|---|---|---|---|"]
         for t in fastest:
-            lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {_by_batch(t)} |")
+            lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {by_batch_text(t)} |")
     twins = same_decision_pairs(rows)
     if twins:
         lines += ["", "A/A check: BatchAdaptivePolicy runs that did a fixed pair's decoding work (as many steps, the "

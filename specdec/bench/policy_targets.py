@@ -67,14 +67,11 @@ def policy_targets(result: dict) -> list[dict]:
     was identical to plain decoding; a failed policy run fails it."""
     rows = result.get("rows", [])
     ok = [r for r in rows if not r.get("error")]
-    same_cell = lambda r, row: r["workload"] == row["workload"] and r["batch"] == row["batch"]
-    references = {
-        "plain": lambda row: [r for r in ok if same_cell(r, row) and r["family"] == "plain"],
-        "best_fixed": lambda row: [r for r in ok if same_cell(r, row) and (
-            r["family"] == "plain" or (r["family"] == "fixed" and r["drafters"] == row["drafters"]))],
-        "best_single": lambda row: [r for r in ok if same_cell(r, row) and r["family"] == "fixed"
-                                    and r["length"] == row["length"] and r["drafters"][0] in row["drafters"]],
-    }
+
+    def candidates(row: dict, relation: str) -> list[dict]:
+        return [r for r in ok if (r["workload"], r["batch"]) == (row["workload"], row["batch"]) and head_to_head.is_reference(
+            relation, r["family"], r["drafters"], r["length"], row["drafters"], row["length"])]
+
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     found = []
     for family, variant, relation in TARGET_ORDER:
@@ -87,7 +84,7 @@ def policy_targets(result: dict) -> list[dict]:
                     if row.get("error"):
                         per_batch[row["batch"]] = None
                         continue
-                    reference = max(references[relation](row), key=lambda r: r["tokens_per_s"], default=None)
+                    reference = max(candidates(row, relation), key=lambda r: r["tokens_per_s"], default=None)
                     if reference is not None:
                         per_batch[row["batch"]] = row["tokens_per_s"] / reference["tokens_per_s"]
                         identical &= bool(row.get("identical"))
@@ -195,3 +192,17 @@ def same_decision_pairs(rows: list[dict]) -> list[dict]:
                       "median_ratio": run["tokens_per_s"] / twin["tokens_per_s"],
                       "fastest_ratio": min(twin["pass_seconds"]) / min(run["pass_seconds"]) if passes else None})
     return pairs
+
+
+def by_batch_text(target: dict) -> str:
+    """A target's ratio at each batch size, for the report's tables."""
+    return ", ".join(f"{b}: {'failed' if v is None else f'{v:.2f}'}" for b, v in target["per_batch"].items())
+
+
+def target_table(targets: list[dict]) -> list[str]:
+    """The report's table of targets (policy_targets' or head_to_head_targets' entries)."""
+    lines = ["| target | workload | worst ratio | ratio by batch size | identical | met |", "|---|---|---|---|---|---|"]
+    for t in targets:
+        lines.append(f"| {t['target']} (needs {t['threshold']:.2f}) | {t['workload']} | {t['ratio']:.2f} | {by_batch_text(t)} | "
+                     f"{'yes' if t['identical'] else 'no'} | {'yes' if t['met'] else 'no'} |")
+    return lines
