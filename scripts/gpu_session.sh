@@ -62,8 +62,8 @@ policies_part() {
 }
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
 [[ " $PARTS " =~ " p64 " ]] && policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420
-[[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420
-[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 330
+[[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420 --profile-prompts 48 --profile-repeats 1
+[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 330 --profile-prompts 48 --profile-repeats 1
 [[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 330 --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0

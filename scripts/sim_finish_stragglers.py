@@ -5,10 +5,10 @@ Run 19's cost model (drafter-4L-narrow) is the policy's model. The true step tim
 about 0.83, and each row is a straggler with probability len(stragglers) / 64, at a rate drawn from the list.
 Each policy serves 4 calls of history, then one measured call; 12 seeds.
 
-Printed per case: fixed k against plain decoding, then "finish" as the library has it ("beta") and the trial
-empirical prior ("emp": an NPMLE of row rates over the history's rows) and a prior that ages with a row's drafting
-steps ("aging"), each as a fraction of the best fixed k. Both are probes, not in the library. Takes about 15
-minutes on 2 CPU cores.
+Printed per case: fixed k against plain decoding, then "finish" as the library has it ("aged": since session 16
+the batch's weight in a row's rate ages with the row's drafting steps, FINISH_PRIOR_GRACE, FINISH_PRIOR_FLOOR), as
+it was before ("unaged"), and with the trial empirical prior ("emp": an NPMLE of row rates over the history's
+rows, a probe not in the library), each as a fraction of the best fixed k. Takes about 15 minutes on 2 CPU cores.
 """
 import json
 from pathlib import Path
@@ -57,30 +57,16 @@ class EmpiricalFinish(GoodputPolicy):
                 gp.posterior_rate_samples = orig
         return super()._decide(active, caps, step_time, remaining)
 
-class AgingPrior(GoodputPolicy):
-    """A probe, not in the library: each row's prior weight ages with its drafting steps in the call,
-    FINISH_SHRINK_TRIALS x FINISH_COUNT_DECAY^n (at least 2), as its own counts do. A straggler judges about
-    1.25 tokens a step, so its decayed counts level off near 25 judged tokens, below the prior's 32, and
-    its posterior never falls far from the batch's rate."""
+class Unaged(GoodputPolicy):
+    """"finish" as it was until session 16: the batch's weight in a row's rate does not age (a grace
+    longer than any call)."""
 
-    FLOOR = 2.0
-
-    def plan(self, batch, num_drafters):
-        if batch is not self._batch:
-            self._drafted_steps = np.zeros(batch.num_rows)
-        return super().plan(batch, num_drafters)
-
-    def observe(self, record):
-        super().observe(record)
-        rows = record.rows
-        self._drafted_steps[rows[record.num_drafted[rows] > 0]] += 1
-
-    @property
-    def finish_prior_trials(self):
-        base = GoodputPolicy.finish_prior_trials.fget(self)
-        if getattr(self, '_batch', None) is None or not hasattr(self, '_drafted_steps'):
-            return base
-        return np.maximum(base * gp.FINISH_COUNT_DECAY ** self._drafted_steps, self.FLOOR)
+    def finish_row_prior_trials(self):
+        saved, gp.FINISH_PRIOR_GRACE = gp.FINISH_PRIOR_GRACE, 1 << 20
+        try:
+            return super().finish_row_prior_trials()
+        finally:
+            gp.FINISH_PRIOR_GRACE = saved
 
 
 r = json.load(open(Path(__file__).resolve().parents[1] / 'benchmarks/results/policies_h200_run19.json'))
@@ -124,7 +110,7 @@ for name, step, n in (("run19-like b64", true_step19, 64), ("run19-like b16", tr
         fixed = {k: run(lambda k=k: FixedPolicy(k), 0, stragglers, step, n) for k in (0, 1, 2, 3, 4, 6)}
         best = max(fixed.values())
         line = f"{name} str {stragglers}: fixed " + " ".join(f"{k}:{v/fixed[0]:.2f}" for k, v in fixed.items())
-        for label, cls in (("beta", GoodputPolicy), ("emp", EmpiricalFinish), ("aging", AgingPrior)):
+        for label, cls in (("aged", GoodputPolicy), ("unaged", Unaged), ("emp", EmpiricalFinish)):
             f = run(lambda: cls(cm19, max_draft_tokens=8, search='finish', decide_every=16, prior=0.83), 4, stragglers, step, n)
             line += f" | {label} {f/best:.3f}"
         print(line, flush=True)

@@ -40,8 +40,9 @@ Searches:
   reads each row's rate as a Beta posterior: its decayed counts and a prior around the batch's
   rate (shrunk_rates: the lowest of 64 noisy per-step averages passed for a straggler, run 7,
   k = 2 for 32 steps where k = 4 was 7% faster), the prior's weight raised where earlier calls'
-  rows were more alike than its default (RowRateSpread), and it times the call over samples of
-  those posteriors (posterior_rate_samples; ``finish_rate_samples``, 8). The prior never weighs
+  rows were more alike than its default (RowRateSpread) and aged with the row's drafting steps
+  as its counts are (exponential forgetting of the whole posterior, FINISH_PRIOR_FLOOR), and it
+  times the call over samples of those posteriors (posterior_rate_samples; ``finish_rate_samples``, 8). The prior never weighs
   less than FINISH_SHRINK_TRIALS: learnt down to 9 judged tokens at continuation b64 (run 13),
   the posteriors' lowest quantiles read stragglers among 53 rows and "finish" decoded plainly
   for 32 steps where k = 4 ran 1.43x plain (a row's rate moves over a call, so the spread of
@@ -119,6 +120,12 @@ CATCH_UP_HORIZON = 16  # steps a returning row's measured catch-up is spread ove
 # batches of 54 (tests/policies/test_profile_options.py)
 FINISH_SHRINK_TRIALS = 32.0
 FINISH_COUNT_DECAY = 0.95  # "finish": what a row's judged draft tokens keep per drafting step (a memory of about 20)
+# "finish": the batch's weight in a row's rate ages as the row's own counts do, by FINISH_COUNT_DECAY per
+# step with a trial in the call, down to this many judged tokens (finish_row_prior_trials). Unaged, a row
+# accepting 0.13 (continuation b64, run 19) judged about 1.25 tokens a step, its decayed counts levelled
+# off near 25 judged tokens, below the prior's 32, and it read about 0.55 for as long as it drafted
+FINISH_PRIOR_FLOOR = 2.0
+FINISH_PRIOR_GRACE = round(1 / (1 - FINISH_COUNT_DECAY))  # steps with a trial before the ageing starts: the counts' memory
 # "finish": samples of the batch's rates, each row at stratified quantiles of its posterior
 # (posterior_rate_samples); 1: each row at its posterior mean. On synthetic batches of 16 rows
 # of different rates, 8 samples reached 0.981 of the best fixed length where the means reached
@@ -419,10 +426,10 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
 
 
 def shrunk_rates(successes: np.ndarray, trials: np.ndarray, prior_rate: float,
-                 prior_trials: float = FINISH_SHRINK_TRIALS) -> np.ndarray:
+                 prior_trials: float | np.ndarray = FINISH_SHRINK_TRIALS) -> np.ndarray:
     """[B] each row's acceptance rate from its (decayed) accepted and judged draft tokens, shrunk
     towards the batch's pooled rate: (S_i + w p) / (T_i + w), p = (sum S + w0 prior) / (sum T + w0)
-    with w = prior_trials and w0 = PRIOR_TRIALS (the mean of a Beta posterior whose prior is
+    with w = prior_trials (one for all rows, or [B]) and w0 = PRIOR_TRIALS (the mean of a Beta posterior whose prior is
     the batch). A row with little evidence reads about the batch's rate, so the most pessimistic
     of many noisy rates does not pass for a straggler; one with a long record of rejections keeps
     a low rate."""
@@ -432,10 +439,11 @@ def shrunk_rates(successes: np.ndarray, trials: np.ndarray, prior_rate: float,
 
 
 def posterior_rate_samples(successes: np.ndarray, trials: np.ndarray, prior_rate: float,
-                           prior_trials: float = FINISH_SHRINK_TRIALS, samples: int = FINISH_RATE_SAMPLES) -> np.ndarray:
+                           prior_trials: float | np.ndarray = FINISH_SHRINK_TRIALS,
+                           samples: int = FINISH_RATE_SAMPLES) -> np.ndarray:
     """[J, B] samples of the rows' acceptance rates, J = ``samples``: row i's rate is Beta with
     mean shrunk_rates' (S_i + w p) / (T_i + w) and variance m (1 - m) / (T_i + w + 1) (a Beta(w p,
-    w (1 - p)) prior around the batch's pooled rate p, w = ``prior_trials``, updated by the row's
+    w (1 - p)) prior around the batch's pooled rate p, w = ``prior_trials`` (scalar or [B]), updated by the row's
     counts), at the stratified levels u_l = (l + 0.5) / J, row i at level (i + j) mod J in sample
     j: each sample is a whole batch, and rows of one posterior (every row, at a call's start) are
     spread over its quantiles rather than all read at its mean. Quantiles by the normal
@@ -642,6 +650,7 @@ class GoodputPolicy(Policy):
             self._row_trials = np.zeros(batch.num_rows)  # [B]
             self._call_successes = np.zeros(batch.num_rows)  # [B] the call's counts, undecayed (RowRateSpread)
             self._call_trials = np.zeros(batch.num_rows)  # [B]
+            self._row_trial_steps = np.zeros(batch.num_rows, dtype=np.int64)  # [B] the call's steps with a trial
             self._bucket = row_bucket(batch.num_rows)  # the active rows' bucket at the last decision
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens,
                                                  prior=self.cold_start_rate, **self._estimator_options)
@@ -714,6 +723,7 @@ class GoodputPolicy(Policy):
                 self._row_trials = keep * self._row_trials + counts.trials
                 self._call_successes += counts.successes
                 self._call_trials += counts.trials
+                self._row_trial_steps += counts.trial_steps
         if self._pooled:
             self.estimator.update_counts(counts, self.drafter_index)
             if self.revisit > 0:
@@ -775,13 +785,24 @@ class GoodputPolicy(Policy):
         learnt = self.row_spread.prior_strength() if self.row_spread is not None else None
         return FINISH_SHRINK_TRIALS if learnt is None else max(learnt, FINISH_SHRINK_TRIALS)
 
+    def finish_row_prior_trials(self) -> np.ndarray:
+        """[B] "finish": the batch's weight in each row's rate this call, finish_prior_trials aged
+        by FINISH_COUNT_DECAY per step in which the row had a trial, as its own counts are, and never
+        below FINISH_PRIOR_FLOOR. A row's counts level off near (judged tokens per step) / (1 -
+        FINISH_COUNT_DECAY): a straggler's well below an unaged prior, which would keep it near the
+        batch's rate (BENCHMARKS run 19); a well-judged row's far above either."""
+        steps = np.maximum(self._row_trial_steps - FINISH_PRIOR_GRACE, 0).astype(np.float64)  # [B]
+        aged = self.finish_prior_trials * FINISH_COUNT_DECAY ** steps
+        return np.maximum(aged, FINISH_PRIOR_FLOOR)
+
     def _row_rates(self, active: np.ndarray) -> np.ndarray:
         """[A] the i.i.d. acceptance rate of each active row: the estimator's, or for "finish"
         (which the lowest rows' rates decide) the mean of its posterior, shrunk_rates of the row's
         decayed counts."""
         if self.search != "finish":
             return self.estimator.rate(self.drafter_index)[active]
-        return shrunk_rates(self._row_successes, self._row_trials, self.cold_start_rate, self.finish_prior_trials)[active]
+        return shrunk_rates(self._row_successes, self._row_trials, self.cold_start_rate,
+                            self.finish_row_prior_trials())[active]
 
     def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None,
                 remaining: np.ndarray) -> np.ndarray:
@@ -797,7 +818,7 @@ class GoodputPolicy(Policy):
             rates = self.estimator.position_rates(self.drafter_index)[active]  # [A, K]
         elif self.search == "finish":  # samples of the batch: [J, A]
             rates = posterior_rate_samples(self._row_successes, self._row_trials, self.cold_start_rate,
-                                           self.finish_prior_trials, self.finish_rate_samples)[:, active]
+                                           self.finish_row_prior_trials(), self.finish_rate_samples)[:, active]
             rates = np.repeat(rates[..., None], self.max_draft_tokens, axis=-1)  # [J, A, K]
         else:
             rates = np.repeat(self._row_rates(active)[:, None], self.max_draft_tokens, axis=1)
