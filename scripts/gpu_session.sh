@@ -15,10 +15,12 @@
 #   p64, p16, p4, p1   the parts of one policies run, one call each right after the zoo call
 #             (set SPECDEC_ZOO_DIR as the zoo call did; the machine goes back 30 minutes after it
 #             started): 3 grid passes per method (of 2 calls at batch 16 and 64), then 8 head-to-head
-#             rounds per cell (6 at batch 1; a batch-1 profile of 8 requests x 2 rounds). Run 19's
-#             machine took 434 s for the zoo call, 519 s for batch 64 (a cell 105-110 s), 359 s for
-#             batch 16 and 275 s for batch 4's first cell: the four parts no longer fit one
-#             session's 1800 s of device time with the zoo, so a session measures three of them.
+#             rounds per cell (6 at batch 1; a batch-1 profile of 8 requests x 2 rounds; at batch 16
+#             and 4 BatchAdaptivePolicy's profile draws 48 requests once). Run 19's machine took 434 s
+#             for the zoo call, 519 s for batch 64 and 359 s for batch 16; run 20's 331 s (zoo), 365 s
+#             (b64), 283 s (b16), 439 s (b4, three workloads). The machine goes back 30 minutes after
+#             it started, so after those four calls about 5 minutes are left: batch 1 then fits only
+#             as part `p1m` (`--workloads mixed --time-limit-s 140`, run 20), with `tests` (145 s) after.
 #             Merge with `python -m specdec bench --policies --merge` (a part cut by its time limit
 #             lists its skipped cells)
 #   demo      python -m specdec demo --preset gpu --device cuda
@@ -65,5 +67,6 @@ policies_part() {
 [[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420 --profile-prompts 48 --profile-repeats 1
 [[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 330 --profile-prompts 48 --profile-repeats 1
 [[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 330 --profile-prompts 8 --profile-repeats 2
+[[ " $PARTS " =~ " p1m " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 140 --profile-prompts 8 --profile-repeats 2 --workloads mixed
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0
