@@ -3,7 +3,7 @@
 Run 19's cost model (drafter-4L-narrow) is the policy's model. The true step time is launch-bound, read off run
 19's traces ("run19-like"), or one where drafting costs less against plain decoding ("fast"). Rows accept at
 about 0.83, and each row is a straggler with probability len(stragglers) / 64, at a rate drawn from the list.
-Each policy serves 4 calls of history, then one measured call; 12 seeds.
+Each policy serves 4 calls of history, then one measured call, the same for every policy; 24 seeds.
 
 Printed per case: fixed k against plain decoding, then "finish" as the library has it ("aged": since session 16
 the batch's weight in a row's rate ages with the row's drafting steps, FINISH_PRIOR_GRACE, FINISH_PRIOR_FLOOR), as
@@ -86,7 +86,7 @@ def rates_for(rng, n, stragglers, mean=0.83, conc=40):
         base[is_s] = rng.choice(stragglers, is_s.sum())
     return base
 
-def run(make, history, stragglers, step, n=64, seeds=12, **kw):
+def run(make, history, stragglers, step, n=64, seeds=24, **kw):
     vals = []
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
@@ -95,7 +95,9 @@ def run(make, history, stragglers, step, n=64, seeds=12, **kw):
             simulate_call(policy, rates_for(rng, n, stragglers, **kw), 128, step, rng)
         if hasattr(policy, 'end_call'):
             policy.end_call()
-        m = simulate_call(policy, rates_for(rng, n, stragglers, **kw), 128, step, np.random.default_rng(1000 + seed))
+        # the measured batch's rows and draws are the seed's alone: the same for every policy
+        m = simulate_call(policy, rates_for(np.random.default_rng(2000 + seed), n, stragglers, **kw), 128, step,
+                          np.random.default_rng(1000 + seed))
         vals.append(m.tokens_per_s)
     return float(np.mean(vals))
 

@@ -40,13 +40,18 @@ Searches:
   reads each row's rate as a Beta posterior: its decayed counts and a prior around the batch's
   rate (shrunk_rates: the lowest of 64 noisy per-step averages passed for a straggler, run 7,
   k = 2 for 32 steps where k = 4 was 7% faster), the prior's weight raised where earlier calls'
-  rows were more alike than its default (RowRateSpread) and aged with the row's drafting steps
-  as its counts are (exponential forgetting of the whole posterior, FINISH_PRIOR_FLOOR), and it
-  times the call over samples of those posteriors (posterior_rate_samples; ``finish_rate_samples``, 8). The prior never weighs
-  less than FINISH_SHRINK_TRIALS: learnt down to 9 judged tokens at continuation b64 (run 13),
+  rows were more alike than its default (RowRateSpread), and it times the call over samples of
+  those posteriors (posterior_rate_samples; ``finish_rate_samples``, 8). A call's rows start
+  with a prior that never weighs less than FINISH_SHRINK_TRIALS: learnt down to 9 judged tokens at continuation b64 (run 13),
   the posteriors' lowest quantiles read stragglers among 53 rows and "finish" decoded plainly
   for 32 steps where k = 4 ran 1.43x plain (a row's rate moves over a call, so the spread of
-  whole-call rates overstates the spread of what is left).
+  whole-call rates overstates the spread of what is left). After a row's first FINISH_PRIOR_GRACE
+  steps with a judged token (the counts' memory) its prior ages as its counts do, by
+  FINISH_COUNT_DECAY a step, to at least FINISH_PRIOR_FLOOR (finish_row_prior_trials: exponential
+  forgetting of the whole posterior, not of the counts alone). Unaged, a straggler's counts
+  levelled off below the prior's weight and it read near the batch's rate for as long as it
+  drafted (run 19). An aged row that stops drafting drifts back to the batch's rate more slowly
+  (its counts shrink by the revisit rate per idle step, its prior's weight stays aged).
 
 A call's second decision comes FIRST_INTERVAL steps after its first (which knows nothing of the
 call's rows: "finish" drafted 7-8 tokens for the first 16 steps of a call where 3-4 was best,
@@ -611,7 +616,7 @@ class GoodputPolicy(Policy):
         self._estimator_options = {"mode": estimator, "window": window, "positions": per_position}
         self.learned_prior = LearnedPrior(prior) if learn_prior else None
         # "finish": how much rows' rates differ, learnt from earlier calls' rows (the prior strength
-        # of each row's posterior, never below FINISH_SHRINK_TRIALS: finish_prior_trials)
+        # of each row's posterior at a call's start, never below FINISH_SHRINK_TRIALS: finish_prior_trials)
         self.row_spread = RowRateSpread() if learn_prior and search == "finish" else None
         self._given_prior = float(prior)
         # the EMA of pooled rates learns from each interval's counts at once (StepCounts); the
@@ -624,6 +629,7 @@ class GoodputPolicy(Policy):
         self._decision = None  # (uncalibrated step time of the active rows, their decided lengths [A])
         self._next_decision = 0  # the step of the next decision
         self._records: list[StepRecord] = []  # the steps since the last decision
+        self._row_trial_steps = np.zeros(0, dtype=np.int64)  # [B] "finish": each row's steps with a trial this call
 
     @property
     def max_draft_tokens(self) -> int:
@@ -717,7 +723,8 @@ class GoodputPolicy(Policy):
                 self.learned_prior.add(counts)
             if self.search == "finish":
                 # older evidence fades by FINISH_COUNT_DECAY per step with a trial, and by the revisit
-                # rate per idle step (a row switched off drifts back to the batch's rate, as below)
+                # rate per idle step (a row switched off drifts back to the batch's rate, as below, the
+                # more slowly the more its prior has aged: finish_row_prior_trials)
                 keep = FINISH_COUNT_DECAY ** counts.trial_steps * (1.0 - self.revisit) ** counts.idle_steps  # [B]
                 self._row_successes = keep * self._row_successes + counts.successes
                 self._row_trials = keep * self._row_trials + counts.trials
@@ -778,10 +785,10 @@ class GoodputPolicy(Policy):
 
     @property
     def finish_prior_trials(self) -> float:
-        """"finish": what the batch's rate weighs in each row's, in judged draft tokens:
-        FINISH_SHRINK_TRIALS, or more where earlier calls' rows were more alike than that
-        (RowRateSpread.prior_strength), never less (a weaker prior read stragglers that were
-        not, run 13)."""
+        """"finish": what the batch's rate weighs in each row's at a call's start, in judged draft
+        tokens (finish_row_prior_trials ages it): FINISH_SHRINK_TRIALS, or more where earlier
+        calls' rows were more alike than that (RowRateSpread.prior_strength), never less (a
+        weaker prior read stragglers that were not, run 13)."""
         learnt = self.row_spread.prior_strength() if self.row_spread is not None else None
         return FINISH_SHRINK_TRIALS if learnt is None else max(learnt, FINISH_SHRINK_TRIALS)
 
@@ -790,7 +797,8 @@ class GoodputPolicy(Policy):
         by FINISH_COUNT_DECAY per step in which the row had a trial, as its own counts are, and never
         below FINISH_PRIOR_FLOOR. A row's counts level off near (judged tokens per step) / (1 -
         FINISH_COUNT_DECAY): a straggler's well below an unaged prior, which would keep it near the
-        batch's rate (BENCHMARKS run 19); a well-judged row's far above either."""
+        batch's rate (BENCHMARKS run 19); a well-judged row's far above either. Empty before the
+        first call."""
         steps = np.maximum(self._row_trial_steps - FINISH_PRIOR_GRACE, 0).astype(np.float64)  # [B]
         aged = self.finish_prior_trials * FINISH_COUNT_DECAY ** steps
         return np.maximum(aged, FINISH_PRIOR_FLOOR)

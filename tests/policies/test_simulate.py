@@ -163,9 +163,10 @@ def test_finish_stops_drafting_for_stragglers_once_their_own_counts_outweigh_the
     drafting step, and a straggler judges about 1.25 tokens a step, so its counts level off near
     25 judged tokens. Unaged, the prior's 32 outweighed them and a straggler at 0.2 read 0.5-0.65.
     With the prior ageing as the counts do (after FINISH_PRIOR_GRACE steps), "finish" reaches at
-    least 0.86 of plain decoding over 12 seeded batches of 64 rows, after 4 calls of history
-    (seen: 0.88; over 24 seeds, scripts/sim_finish_stragglers.py: 0.89). Unaged (a grace longer
-    than any call) it reaches less than 0.84 (seen: 0.79; over 24 seeds: 0.80)."""
+    least 0.86 of plain decoding over 12 seeded batches of 64 rows, after 4 calls of history, and
+    at least 1.03x what it reaches unaged (a grace longer than any call), which stays below 0.87
+    (seen: 0.89 and 0.85; over 24 seeds 0.87 and 0.82, the aged prior ahead in 22 of them). The
+    measured batches are the same for every policy."""
     import specdec.policies.goodput as goodput
 
     def mean_tokens_per_s(make, history):
@@ -177,8 +178,9 @@ def test_finish_stops_drafting_for_stragglers_once_their_own_counts_outweigh_the
                 simulate_call(policy, straggler_rates(rng, 64), 128, run19_step_time, rng)
             if hasattr(policy, "end_call"):
                 policy.end_call()
-            measured = simulate_call(policy, straggler_rates(rng, 64), 128, run19_step_time,
-                                     np.random.default_rng(1000 + seed))
+            # the measured batch's rows and draws are the seed's alone, the same for every policy
+            measured = simulate_call(policy, straggler_rates(np.random.default_rng(2000 + seed), 64), 128,
+                                     run19_step_time, np.random.default_rng(1000 + seed))
             values.append(measured.tokens_per_s)
         return float(np.mean(values))
 
@@ -191,39 +193,44 @@ def test_finish_stops_drafting_for_stragglers_once_their_own_counts_outweigh_the
     monkeypatch.setattr(goodput, "FINISH_PRIOR_GRACE", 1 << 20)
     unaged = mean_tokens_per_s(finish, history=4)
     assert aged >= 0.86 * plain, (aged / plain, unaged / plain)
-    assert unaged < 0.84 * plain, (aged / plain, unaged / plain)
+    assert unaged < 0.87 * plain and aged >= 1.03 * unaged, (aged / plain, unaged / plain)
 
 
 def test_the_batchs_weight_in_a_row_ages_with_the_rows_drafting_steps():
     """finish_row_prior_trials: the prior's weight, finish_prior_trials, is kept for a row's first
     FINISH_PRIOR_GRACE steps with a judged draft token, then decays by FINISH_COUNT_DECAY per such
-    step, never below FINISH_PRIOR_FLOOR. Rows of different rates finish after different numbers
-    of steps, so their weights differ."""
+    step, never below FINISH_PRIOR_FLOOR; the next call's rows start afresh. Rows with different
+    budgets draft for different numbers of steps, so their weights differ."""
     from specdec.batch import BatchState
     from specdec.policies.goodput import FINISH_COUNT_DECAY, FINISH_PRIOR_FLOOR, FINISH_PRIOR_GRACE
     from specdec.stats import StepRecord
     from specdec.types import VerifyCost
 
-    rates = np.array([0.97, 0.8, 0.5])
+    rates, budgets = np.array([0.9, 0.9, 0.9]), np.array([30, 120, 400])  # [B]
     policy = GoodputPolicy(H200_LIKE, max_draft_tokens=4, search="finish", calibrate=False, decide_every=1,
                            prior=0.9, learn_prior=False)
-    batch = BatchState([np.zeros(8, dtype=np.int64)] * 3, 80, np.arange(3), np.zeros(0, dtype=np.int64))
+    assert policy.finish_row_prior_trials().shape == (0,)  # no call yet
+    batch = BatchState([np.zeros(8, dtype=np.int64)] * 3, int(budgets.max()), np.arange(3), np.zeros(0, dtype=np.int64))
     rng = np.random.default_rng(0)
     trial_steps = np.zeros(3, dtype=np.int64)  # [B] steps in which a row had a draft token judged
     while not batch.finished.all():
         active = batch.active_rows()
-        drafted = np.where(batch.finished, 0, np.minimum(policy.plan(batch, 1).num_draft_tokens,
-                                                         np.maximum(batch.remaining - 1, 0)))
+        left = np.maximum(budgets - batch.num_generated, 0)  # [B] each row's own budget
+        drafted = np.where(batch.finished, 0, np.minimum(policy.plan(batch, 1).num_draft_tokens, np.maximum(left - 1, 0)))
         accepted = np.minimum(rng.geometric(1.0 - rates) - 1, drafted)
-        emitted = np.where(batch.finished, 0, np.minimum(accepted + 1, batch.remaining))
+        emitted = np.where(batch.finished, 0, np.minimum(accepted + 1, left))
         trial_steps += drafted > 0
         policy.observe(StepRecord(0, active, np.zeros(3, dtype=np.int64), drafted, accepted, emitted, 0.0, 0.0,
                                   VerifyCost(0, 0), step_time_s=2e-3))
         batch.lengths += emitted
-        batch.finished |= batch.num_generated >= 80
-    policy.end_call()  # folds the last steps in
-    assert trial_steps[0] < FINISH_PRIOR_GRACE < trial_steps[2] - 10, trial_steps
+        batch.finished |= batch.num_generated >= budgets
+    policy.end_call()  # folds the last step in
+    aged_steps = FINISH_PRIOR_GRACE + np.log(FINISH_PRIOR_FLOOR / 32.0) / np.log(FINISH_COUNT_DECAY)  # where the floor is reached
+    assert trial_steps[0] < FINISH_PRIOR_GRACE < trial_steps[1] < aged_steps < trial_steps[2], trial_steps
     expected = np.maximum(32.0 * FINISH_COUNT_DECAY ** np.maximum(trial_steps - FINISH_PRIOR_GRACE, 0), FINISH_PRIOR_FLOOR)
-    assert policy.finish_prior_trials == 32.0
-    assert policy.finish_row_prior_trials() == pytest.approx(expected)
-    assert policy.finish_row_prior_trials()[0] == 32.0 and policy.finish_row_prior_trials()[2] < 32.0 * 0.95**10
+    weights = policy.finish_row_prior_trials()
+    assert policy.finish_prior_trials == 32.0 and weights == pytest.approx(expected)
+    assert weights[0] == 32.0 and FINISH_PRIOR_FLOOR < weights[1] < 32.0 and weights[2] == FINISH_PRIOR_FLOOR
+
+    policy.plan(BatchState([np.zeros(8, dtype=np.int64)] * 2, 20, np.arange(2), np.zeros(0, dtype=np.int64)), 1)
+    assert policy.finish_row_prior_trials().tolist() == [32.0, 32.0]  # a new call starts unaged
