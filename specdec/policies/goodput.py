@@ -42,8 +42,8 @@ Searches:
   k = 2 for 32 steps where k = 4 was 7% faster), the prior's weight raised where earlier calls'
   rows were more alike than its default (RowRateSpread), and it times the call over samples of
   those posteriors (posterior_rate_samples; ``finish_rate_samples``, 8). A call's rows start
-  with a prior that never weighs less than FINISH_SHRINK_TRIALS: learnt down to 9 judged tokens at continuation b64 (run 13),
-  the posteriors' lowest quantiles read stragglers among 53 rows and "finish" decoded plainly
+  with a prior that never weighs less than FINISH_SHRINK_TRIALS: learnt down to 9 judged tokens
+  at continuation b64 (run 13), the posteriors' lowest quantiles read stragglers among 53 rows and "finish" decoded plainly
   for 32 steps where k = 4 ran 1.43x plain (a row's rate moves over a call, so the spread of
   whole-call rates overstates the spread of what is left). After a row's first FINISH_PRIOR_GRACE
   steps with a judged token (the counts' memory) its prior ages as its counts do, by
@@ -434,8 +434,8 @@ def shrunk_rates(successes: np.ndarray, trials: np.ndarray, prior_rate: float,
                  prior_trials: float | np.ndarray = FINISH_SHRINK_TRIALS) -> np.ndarray:
     """[B] each row's acceptance rate from its (decayed) accepted and judged draft tokens, shrunk
     towards the batch's pooled rate: (S_i + w p) / (T_i + w), p = (sum S + w0 prior) / (sum T + w0)
-    with w = prior_trials (one for all rows, or [B]) and w0 = PRIOR_TRIALS (the mean of a Beta posterior whose prior is
-    the batch). A row with little evidence reads about the batch's rate, so the most pessimistic
+    with w = prior_trials (one for all rows, or [B]) and w0 = PRIOR_TRIALS (the mean of a Beta
+    posterior whose prior is the batch). A row with little evidence reads about the batch's rate, so the most pessimistic
     of many noisy rates does not pass for a straggler; one with a long record of rejections keeps
     a low rate."""
     successes, trials = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
@@ -448,8 +448,8 @@ def posterior_rate_samples(successes: np.ndarray, trials: np.ndarray, prior_rate
                            samples: int = FINISH_RATE_SAMPLES) -> np.ndarray:
     """[J, B] samples of the rows' acceptance rates, J = ``samples``: row i's rate is Beta with
     mean shrunk_rates' (S_i + w p) / (T_i + w) and variance m (1 - m) / (T_i + w + 1) (a Beta(w p,
-    w (1 - p)) prior around the batch's pooled rate p, w = ``prior_trials`` (scalar or [B]), updated by the row's
-    counts), at the stratified levels u_l = (l + 0.5) / J, row i at level (i + j) mod J in sample
+    w (1 - p)) prior around the batch's pooled rate p, w = ``prior_trials`` (scalar or [B]),
+    updated by the row's counts), at the stratified levels u_l = (l + 0.5) / J, row i at level (i + j) mod J in sample
     j: each sample is a whole batch, and rows of one posterior (every row, at a call's start) are
     spread over its quantiles rather than all read at its mean. Quantiles by the normal
     approximation, clipped to [0.005, 0.995] (a decision at batch 64 takes 512 of them).

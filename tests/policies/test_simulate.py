@@ -25,6 +25,23 @@ def beta_rates(rng, num_rows, mean, sd):
     return np.clip(rng.beta(mean * strength, (1 - mean) * strength, size=num_rows), 0.0, 0.98)
 
 
+def mean_tokens_per_s(make, history, seeds, step_time, history_rates, measured_rates):
+    """Mean tokens/s of one measured static batch per seed, 128 new tokens: a fresh ``make()``
+    serves ``history`` calls of ``history_rates(rng)`` rows first (rng seeded by the seed), then
+    the measured call of ``measured_rates(seed, rng)`` rows, its draws from seed 1000 + seed."""
+    values = []
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        policy = make()
+        for _ in range(history):
+            simulate_call(policy, history_rates(rng), 128, step_time, rng)
+        if hasattr(policy, "end_call"):
+            policy.end_call()
+        measured = simulate_call(policy, measured_rates(seed, rng), 128, step_time, np.random.default_rng(1000 + seed))
+        values.append(measured.tokens_per_s)
+    return float(np.mean(values))
+
+
 def test_simulated_calls_follow_the_decoding_contract():
     rng = np.random.default_rng(0)
     plain = simulate_call(FixedPolicy(0), np.full(3, 0.8), 20, step_time, rng)
@@ -112,25 +129,16 @@ def test_finish_is_within_5_percent_of_the_best_fixed_length_on_rows_of_differen
     least 0.95 of it over the same batches (seen: 0.977 at 16 rows, 0.986 at 64; with point
     rates, a first interval of 16 steps and the batch weighing 16 tokens, as until this test:
     0.945 and 0.956). Drafting 8 for every row reaches less than 0.9."""
-    def mean_tokens_per_s(make, history):
-        values = []
-        for seed in range(24):
-            rng = np.random.default_rng(seed)
-            policy = make()
-            for _ in range(history):
-                simulate_call(policy, beta_rates(rng, num_rows, 0.75, 0.08), 128, step_time, rng)
-            if hasattr(policy, "end_call"):
-                policy.end_call()
-            measured = simulate_call(policy, beta_rates(rng, num_rows, 0.75, 0.08), 128, step_time,
-                                     np.random.default_rng(1000 + seed))
-            values.append(measured.tokens_per_s)
-        return float(np.mean(values))
+    def tokens_per_s(make, history):
+        def rates(rng):
+            return beta_rates(rng, num_rows, 0.75, 0.08)
+        return mean_tokens_per_s(make, history, 24, step_time, rates, lambda seed, rng: rates(rng))
 
-    fixed = {k: mean_tokens_per_s(lambda k=k: FixedPolicy(k), 0) for k in range(9)}
+    fixed = {k: tokens_per_s(lambda k=k: FixedPolicy(k), 0) for k in range(9)}
     best = max(fixed.values())
     assert max(fixed, key=fixed.get) in (2, 3, 4)
-    finish = mean_tokens_per_s(lambda: GoodputPolicy(H200_LIKE, max_draft_tokens=8, search="finish", decide_every=16,
-                                                     prior=0.75), history=2)
+    finish = tokens_per_s(lambda: GoodputPolicy(H200_LIKE, max_draft_tokens=8, search="finish", decide_every=16,
+                                                prior=0.75), history=2)
     assert finish >= 0.95 * best, (finish / best, fixed)
     assert fixed[8] < 0.9 * best
 
@@ -169,29 +177,19 @@ def test_finish_stops_drafting_for_stragglers_once_their_own_counts_outweigh_the
     measured batches are the same for every policy."""
     import specdec.policies.goodput as goodput
 
-    def mean_tokens_per_s(make, history):
-        values = []
-        for seed in range(12):
-            rng = np.random.default_rng(seed)
-            policy = make()
-            for _ in range(history):
-                simulate_call(policy, straggler_rates(rng, 64), 128, run19_step_time, rng)
-            if hasattr(policy, "end_call"):
-                policy.end_call()
-            # the measured batch's rows and draws are the seed's alone, the same for every policy
-            measured = simulate_call(policy, straggler_rates(np.random.default_rng(2000 + seed), 64), 128,
-                                     run19_step_time, np.random.default_rng(1000 + seed))
-            values.append(measured.tokens_per_s)
-        return float(np.mean(values))
+    def tokens_per_s(make, history):
+        # the measured batch's rows are the seed's alone, the same for every policy
+        return mean_tokens_per_s(make, history, 12, run19_step_time, lambda rng: straggler_rates(rng, 64),
+                                 lambda seed, rng: straggler_rates(np.random.default_rng(2000 + seed), 64))
 
     def finish():
         return GoodputPolicy(RUN19, max_draft_tokens=8, search="finish", decide_every=16, prior=0.83)
 
-    plain = mean_tokens_per_s(lambda: FixedPolicy(0), 0)
-    assert max(mean_tokens_per_s(lambda k=k: FixedPolicy(k), 0) for k in (1, 2, 4)) < plain
-    aged = mean_tokens_per_s(finish, history=4)
+    plain = tokens_per_s(lambda: FixedPolicy(0), 0)
+    assert max(tokens_per_s(lambda k=k: FixedPolicy(k), 0) for k in (1, 2, 4)) < plain
+    aged = tokens_per_s(finish, history=4)
     monkeypatch.setattr(goodput, "FINISH_PRIOR_GRACE", 1 << 20)
-    unaged = mean_tokens_per_s(finish, history=4)
+    unaged = tokens_per_s(finish, history=4)
     assert aged >= 0.86 * plain, (aged / plain, unaged / plain)
     assert unaged < 0.87 * plain and aged >= 1.03 * unaged, (aged / plain, unaged / plain)
 
