@@ -54,7 +54,8 @@ if [[ " $PARTS " =~ " tests " ]]; then
     timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1; tail -25 "$OUT/cuda_tests.log"
   fi
 fi
-if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " || " $PARTS " =~ " zoo " || " $PARTS " =~ " noise " ]]; then
+if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " || " $PARTS " =~ " zoo " || " $PARTS " =~ " noise " || " $PARTS " =~ " p" ]]; then
+  # (a zoo already built on this machine is reused: a policies part on a fresh machine builds its own)
   timeout "${BUILD_TIMEOUT:-300}" python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$OUT/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$OUT/zoo_gpu_manifest.json" 2>/dev/null
@@ -77,7 +78,10 @@ policies_part() {
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
 [[ " $PARTS " =~ " p64 " ]] && policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420
 [[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420 --profile-prompts 48 --profile-repeats 1
-[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 330 --profile-prompts 48 --profile-repeats 1
+[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420 --profile-prompts 48 --profile-repeats 1
+# one workload at batch 4 (run 21's p4 reached its 330 s limit before `continuation`): on a fresh
+# machine, the zoo build and this part fit one call (about 540 s)
+[[ " $PARTS " =~ " p4c " ]] && policies_part b4_continuation --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1 --workloads continuation
 [[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 400 --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " p1m " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 140 --profile-prompts 8 --profile-repeats 2 --workloads mixed
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
