@@ -22,7 +22,10 @@
 #             it started, but only at the end of the call in flight (device README, Limits): so a
 #             whole run is `PARTS="zoo tests"` (tests beside the build), then p1 (three workloads,
 #             about 450 s: run 20's b1 `mixed` took 189 s, 120 s of it timed), p64, p16 and p4 last,
-#             started before the 30 minutes are up (run 21). Run 20 ran b1 as part `p1m`
+#             started before the 30 minutes are up. Run 21 (an H100): 425 s (zoo with tests), 526 s
+#             (b1), 415 s (b64), 342 s (b16), 397 s (b4, whose then 330 s limit left out
+#             `continuation`, measured later as part p4c); the last call ended 36 minutes after the
+#             machine started. Run 20 ran b1 as part `p1m`
 #             (`--workloads mixed --time-limit-s 140`) in the 5 minutes it thought were left.
 #             Merge with `python -m specdec bench --policies --merge` (a part cut by its time limit
 #             lists its skipped cells)
@@ -43,6 +46,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/versions.txt"
 { nvidia-smi topo -m; lscpu | grep -E "^(Model name|CPU\(s\)|NUMA|Thread|Core|Socket)"; } >> "$OUT/versions.txt" 2>&1
 RUN=python3; [[ -n "${PIN:-}" ]] && RUN="taskset -c $PIN python3"
+# the card names the parts' files (a call for an H200 may get an H100: run 21)
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E "h100|h200|a100|l40s" | head -1 | tr 'A-Z' 'a-z')
+GPU_TAG=${GPU_TAG:-gpu}
 # with `zoo`, the CUDA tests run beside the zoo build (they build tiny models of their own and time
 # nothing; the build's training only takes a little longer), so the zoo call holds both
 TESTS_PID=
@@ -72,15 +78,16 @@ fi
 policies_part() {
   local name=$1; shift
   $RUN -m specdec bench --policies --preset gpu --device cuda --num-prompts 16 --history-prompts 8 --pass-calls 2 \
-    --out "$OUT" --name "policies_h200_$name" "$@" 2>&1 | tee "$OUT/policies_$name.log" \
+    --out "$OUT" --name "policies_${GPU_TAG}_$name" "$@" 2>&1 | tee "$OUT/policies_$name.log" \
     | grep -E "elapsed|wrote|skipped|warning:|Error|head to head" | tail -12
 }
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
 [[ " $PARTS " =~ " p64 " ]] && policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420
 [[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420 --profile-prompts 48 --profile-repeats 1
 [[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420 --profile-prompts 48 --profile-repeats 1
-# one workload at batch 4 (run 21's p4 reached its 330 s limit before `continuation`): on a fresh
-# machine, the zoo build and this part fit one call (about 540 s)
+# one workload at batch 4 (run 21's p4 reached its 330 s limit before `continuation`): 248 s after a
+# `zoo` call on the same machine. On a fresh machine without that call's warm-up, the zoo build and
+# this part did not fit one call: the part's compilation ran cold, and no cell was done at 600 s
 [[ " $PARTS " =~ " p4c " ]] && policies_part b4_continuation --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1 --workloads continuation
 [[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 400 --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " p1m " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 140 --profile-prompts 8 --profile-repeats 2 --workloads mixed
