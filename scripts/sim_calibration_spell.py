@@ -7,6 +7,9 @@ reverse, or neither. Rows accept at about 0.8; 12 seeds, the same measured batch
 fixed k against plain decoding, then "finish" as the library has it ("current") and with a probe not in the
 library ("call-local": a bucket's calibration from the current call's own samples once it holds MIN_SAMPLES,
 the window's before), each as a fraction of the best fixed k. About 5 minutes on 2 CPU cores.
+BENCHMARKS run 20's figures are for the calibration of residuals the library had then; since session 17 the
+library's StepTimeCalibration learns the host's speed and drafting's shape apart (scripts/sim_calibration_stale.py
+compares the two), and "current" here is that one.
 """
 import json, statistics, sys
 from collections import deque

@@ -1,24 +1,20 @@
-"""GoodputPolicy "finish" when its history's calibration is stale (BENCHMARKS.md, run 21: at copy b64 the
-history left drafting at 64 rows priced 4.02x the model, the call itself measured 0.47x, and the policy decoded
-plainly for 68 steps from its first decision).
+"""GoodputPolicy "finish" when its calibration meets a slow host (BENCHMARKS.md, run 21: at copy b64 the history
+left drafting at 64 rows priced 4.02x the model, the call itself measured 0.47x, and the policy decoded plainly
+for 68 steps from its first decision).
 
 The true step time is run 21's b64 cost model (drafter-4L-narrow) with drafting 0.7x what it predicts, times a
-slowdown of the plain step and of what drafting adds, during the history and during the measured call; a
-drafting step after 3 or more steps without drafting also pays a catch-up (the drafter reads the tokens it
-missed: 2x a plain step at 64 rows). Rows accept at about 0.8 ("plain best": about 0.35). 12 seeds, the same
-measured batches for every policy. Printed: fixed k against plain decoding, then each variant as a fraction of
-the best fixed k:
-- "current": the library before session 17 (a bucket's scale is the median of its last 8 samples, whatever
-  call they came from);
-- "local": once the current call holds MIN_SAMPLES samples of a bucket, its scale is their median alone;
-- "local+stale": and a bucket whose drafting scale rests on earlier calls alone is forgotten after
-  STALE_STEPS steps without drafting (not reprobe_after), so the call measures drafting for itself;
-- "whole-step": one scale per bucket for the whole step, the median of measured / predicted over its last 8
-  steps of either kind, so the cost model's split between the plain step and drafting is kept and only the
-  host's speed is learnt (a residual (measured - base) / extra turns a 20% slower step into a 40% dearer
-  drafting term where the two are alike).
-About 5 minutes on 2 CPU cores. Results (session 17) in BENCHMARKS.md, run 21: whole-step 0.994-1.009 in every
-spell case but 0.67-0.84 where drafting is 2-3x the model throughout; current 0.82-1.00 and 0.92-0.95 there.
+slowdown of the plain step and of what drafting adds, during the history (4 calls) and during the measured call;
+a drafting step after 3 or more steps without drafting also pays a catch-up (the drafter reads the tokens it
+missed: 2x a plain step). Rows accept at about 0.8 ("plain best": about 0.35). 12 seeds, the same measured
+batches for every policy. Printed: fixed k against plain decoding, then each calibration as a fraction of the
+best fixed k:
+- "speed+shape": the library since session 17 (StepTimeCalibration: the host's speed from every step, the
+  shape of drafting against the model only from drafting and plain steps measured together, a plain probe of
+  PROBE_STEPS steps when drafting alone reads far off);
+- "residual": the library before (4d9268b): a plain scale from plain steps, a drafting scale from the residual
+  (measured - plain scale x predicted plain) / predicted drafting, each the median of its bucket's last 8;
+- "whole-step": one scale for the whole step (the model's split kept), the median of measured / predicted.
+Session 17's results are in BENCHMARKS.md, run 21. About 5 minutes on 2 CPU cores; arguments: seeds, batch sizes.
 """
 import json
 import statistics
@@ -28,40 +24,116 @@ from collections import deque
 import numpy as np
 
 from specdec.policies import CostModel, FixedPolicy, GoodputPolicy
-from specdec.policies.goodput import LinearStepTime, StepTimeCalibration, row_bucket
+from specdec.policies.goodput import LinearStepTime, row_bucket
 from specdec.policies.simulate import simulate_call
 
 r = json.load(open("benchmarks/results/policies_h100_run21.json"))
 cm = CostModel.from_dict(r["parts"][0]["cost_model"]).subset([1])
-STALE_STEPS = 4
 
 
-class Local(StepTimeCalibration):
-    def __init__(self, stale_reprobe=False):
-        super().__init__()
-        self.call, self.stale_reprobe = 0, stale_reprobe
+class Residual:
+    """Online correction of a LinearStepTime by measured step wall times, per bucket of active
+    rows (row_bucket), since what a model mis-predicts differs between 64 rows and 3.
+
+    A plain step measured at m seconds against a predicted base P0 gives a sample
+    m / P0 of base_scale; a speculative step against predicted base P0 and extra E = T(k) - P0
+    gives a sample (m - base_scale * P0) / E of extra_scale (clipped to [0.05, 50]). Each scale
+    is the median of the bucket's last WINDOW samples once it holds MIN_SAMPLES, and 1 (the
+    model as profiled) before: a step slowed down by something else (a garbage collection, the
+    host scheduler) moves neither, where a moving average would let one such step switch
+    speculation off. A bucket's drafting samples are forgotten after ``reprobe_after`` steps in
+    a row that did not draft (GoodputPolicy), so speculation is measured again now and then (a
+    few steps in that many when it does not pay) rather than ruled out for good.
+    Steps whose time includes catch-up work (a model drafter reading the tokens it missed while
+    its row did not draft: the whole prompt the first time) are not fed in.
+
+    Invariant: scales are positive; with fewer than MIN_SAMPLES measurements the calibrated model
+    is the model."""
+
+    WINDOW = 8
+    MIN_SAMPLES = 3
+    EXTRA_CLIP = (0.05, 50.0)
+
+    def __init__(self):
+        self.base_scale: dict[int, float] = {}  # bucket -> median of its samples (MIN_SAMPLES or more)
+        self.extra_scale: dict[int, float] = {}
+        self._base_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW samples
+        self._extra_samples: dict[int, deque[float]] = {}
+        self._idle: dict[int, int] = {}  # steps without drafting since the bucket's last drafting step
+        self._catch_up_samples: deque[float] = deque(maxlen=self.WINDOW)  # seconds a catch-up step cost beyond its prediction
+
+    @property
+    def catch_up_s(self) -> float:
+        """What a catch-up step costs beyond an ordinary drafting step (the median of the last
+        WINDOW measured ones; 0 before the first): the price of switching a row back on."""
+        return statistics.median(self._catch_up_samples) if self._catch_up_samples else 0.0
+
+    def observe_catch_up(self, excess_s: float) -> None:
+        """One catch-up step's measured time minus the calibrated prediction of its drafting step."""
+        self._catch_up_samples.append(max(float(excess_s), 0.0))
+
+    def apply(self, step_time: LinearStepTime, num_rows: int) -> LinearStepTime:
+        bucket = row_bucket(num_rows)
+        return step_time.calibrated(self.base_scale.get(bucket, 1.0), self.extra_scale.get(bucket, 1.0))
+
+    def _add(self, samples: dict, scales: dict, bucket: int, sample: float) -> None:
+        held = samples.setdefault(bucket, deque(maxlen=self.WINDOW))
+        held.append(sample)
+        if len(held) >= self.MIN_SAMPLES:
+            scales[bucket] = statistics.median(held)
+
+    def idle(self, num_rows: int, forget_after: int, steps: int = 1) -> None:
+        """Count ``steps`` steps that did not draft; after ``forget_after`` of them in a row,
+        forget this bucket's drafting samples, so the next decision uses the model again and, if
+        it drafts, measures afresh: measurements cannot rule speculation out for good."""
+        bucket = row_bucket(num_rows)
+        if bucket not in self._extra_samples:
+            return
+        self._idle[bucket] = self._idle.get(bucket, 0) + steps
+        if self._idle[bucket] >= forget_after:
+            del self._extra_samples[bucket]
+            self.extra_scale.pop(bucket, None)
+            self._catch_up_samples.clear()  # and what switching back on costs: one slow catch-up cannot rule it out for good
+            self._idle[bucket] = 0
+
+    def measured(self, num_rows: int) -> bool:
+        """Whether the bucket of ``num_rows`` active rows has a drafting correction (MIN_SAMPLES
+        measurements or more since it was last forgotten)."""
+        return row_bucket(num_rows) in self.extra_scale
+
+    def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: list[float]) -> None:
+        """Steps of the same lengths k [A], one sample each; step_time: the uncalibrated model over
+        their A active rows (the prediction computed once)."""
+        bucket = row_bucket(len(k))
+        if step_time.base <= 0:
+            return
+        if not np.any(k):
+            for seconds in measured_s:
+                if seconds > 0:
+                    self._add(self._base_samples, self.base_scale, bucket, seconds / step_time.base)
+            return
+        self._idle[bucket] = 0
+        extra = float(step_time.extra(k))
+        if extra <= 0:
+            return
+        base = self.base_scale.get(bucket, 1.0) * step_time.base  # drafting samples leave base_scale as it is
+        for seconds in measured_s:
+            if seconds > 0:
+                low, high = self.EXTRA_CLIP
+                self._add(self._extra_samples, self.extra_scale, bucket, min(max((seconds - base) / extra, low), high))
 
     def new_call(self):
-        self.call += 1
+        pass
 
-    def _add(self, samples, scales, bucket, sample):
-        held = samples.setdefault(bucket, deque(maxlen=self.WINDOW))
-        held.append((self.call, sample))
-        own = [v for c, v in held if c == self.call]
-        if len(own) >= self.MIN_SAMPLES:
-            scales[bucket] = statistics.median(own)
-        elif len(held) >= self.MIN_SAMPLES:
-            scales[bucket] = statistics.median(v for _, v in held)
+    def wants_plain_probe(self, num_rows):
+        return False
 
-    def idle(self, num_rows, forget_after, steps=1):
-        bucket = row_bucket(num_rows)
-        held = self._extra_samples.get(bucket)
-        if self.stale_reprobe and held is not None and sum(c == self.call for c, _ in held) < self.MIN_SAMPLES:
-            forget_after = min(forget_after, STALE_STEPS)
-        super().idle(num_rows, forget_after, steps)
+    def probed(self, num_rows):
+        pass
 
 
-class WholeStep(StepTimeCalibration):
+
+class WholeStep(Residual):
     def observe(self, step_time, k, measured_s):
         bucket = row_bucket(len(k))
         predicted = float(step_time(k))
@@ -77,13 +149,6 @@ class WholeStep(StepTimeCalibration):
 
     def idle(self, num_rows, forget_after, steps=1):
         pass  # plain steps measure the same scale: nothing to forget
-
-
-class Policy(GoodputPolicy):
-    def plan(self, batch, num_drafters):
-        if batch is not self._batch and hasattr(self.calibration, "new_call"):
-            self.calibration.new_call()
-        return super().plan(batch, num_drafters)
 
 
 def true_time(base_slow, extra_slow, catch_up_plain_steps=2.0, extra_factor=0.7):
@@ -116,34 +181,31 @@ def mean_tps(make, history, measured, n, seeds, mean_rate, calls=4):
     return float(np.mean(values))
 
 
-seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 12
-sizes = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [64, 16, 4]
-CASES = {  # name: (history (base, extra) slowdown, measured call's, mean acceptance)
+def finish(calibration=None):
+    policy = GoodputPolicy(cm, max_draft_tokens=8, search="finish", decide_every=16, prior=0.8)
+    if calibration is not None:
+        policy.calibration = calibration
+    return policy
+
+
+CASES = {  # name: (history (plain, drafting) slowdown, measured call's, mean acceptance)
     "none": ((1.0, 1.0), (1.0, 1.0), 0.8),
     "history x1.5": ((1.5, 1.5), (1.0, 1.0), 0.8),
     "history drafting x3": ((1.5, 3.0), (1.0, 1.0), 0.8),
     "call x1.5": ((1.0, 1.0), (1.5, 1.5), 0.8),
     "plain best": ((1.0, 1.0), (1.0, 1.0), 0.35),
     "drafting x2 throughout": ((1.0, 2.0), (1.0, 2.0), 0.8),
+    "drafting x4 throughout": ((1.0, 4.0), (1.0, 4.0), 0.8),
 }
-variants = {
-    "current": lambda: GoodputPolicy(cm, max_draft_tokens=8, search="finish", decide_every=16, prior=0.8),
-    "local": lambda: _with(Local()),
-    "local+stale": lambda: _with(Local(stale_reprobe=True)),
-    "whole-step": lambda: _with(WholeStep()),
-}
+VARIANTS = {"speed+shape": finish, "residual": lambda: finish(Residual()), "whole-step": lambda: finish(WholeStep())}
 
-
-def _with(calibration):
-    policy = Policy(cm, max_draft_tokens=8, search="finish", decide_every=16, prior=0.8)
-    policy.calibration = calibration
-    return policy
-
-
-for n in sizes:
-    for name, (history, measured, rate) in CASES.items():
-        fixed = {k: mean_tps(lambda k=k: FixedPolicy(k), history, measured, n, seeds, rate) for k in (0, 2, 4, 6)}
-        best = max(fixed.values())
-        got = {v: mean_tps(make, history, measured, n, seeds, rate) / best for v, make in variants.items()}
-        print(f"b{n} {name}: fixed " + " ".join(f"{k}:{v / fixed[0]:.2f}" for k, v in fixed.items()) + " | "
-              + " ".join(f"{v} {x:.3f}" for v, x in got.items()), flush=True)
+if __name__ == "__main__":
+    seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    sizes = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [64, 16, 4]
+    for n in sizes:
+        for name, (history, measured, rate) in CASES.items():
+            fixed = {k: mean_tps(lambda k=k: FixedPolicy(k), history, measured, n, seeds, rate) for k in (0, 2, 4, 6)}
+            best = max(fixed.values())
+            got = {v: mean_tps(make, history, measured, n, seeds, rate) / best for v, make in VARIANTS.items()}
+            print(f"b{n} {name}: fixed " + " ".join(f"{k}:{v / fixed[0]:.2f}" for k, v in fixed.items()) + " | "
+                  + " ".join(f"{v} {x:.3f}" for v, x in got.items()), flush=True)

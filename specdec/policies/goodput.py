@@ -65,9 +65,12 @@ the policy learns its cold start (``learn_prior``): a call's rows start at the a
 expected tokens per step match what the earlier calls' row-steps emitted (LearnedPrior, the
 given ``prior`` worth PRIOR_ROW_STEPS row-steps, each call's counts halved at the next), so a run of batch-1 calls does not
 re-learn the workload's acceptance from the given prior in every request. The step-time model is
-corrected online by measured wall times (StepTimeCalibration: medians of recent steps), per
-bucket of active rows: the fitted model can under-predict what drafting costs at a large batch,
-and a batch's straggling last rows are a different trade-off from its first 64.
+corrected online by measured wall times, per bucket of active rows (StepTimeCalibration): the
+host's speed from every step, and what drafting costs against the model only from drafting and
+plain steps measured together (with a plain probe of PROBE_STEPS steps when drafting alone reads
+far off), so a slow spell of the host is not read as dear drafting, while a model that
+under-predicts what drafting costs at a large batch is still corrected; a batch's straggling last
+rows are a different trade-off from its first 64.
 
 Switching a row back on after more than CATCH_UP_STEPS idle steps makes a model drafter read
 every token it missed, in a step that costs more than its drafting (H200, gpu zoo: about 5 ms
@@ -472,33 +475,57 @@ def row_bucket(num_rows: int) -> int:
 
 class StepTimeCalibration:
     """Online correction of a LinearStepTime by measured step wall times, per bucket of active
-    rows (row_bucket), since what a model mis-predicts differs between 64 rows and 3.
+    rows (row_bucket), since what a model mis-predicts differs between 64 rows and 3. Two factors:
 
-    A plain step measured at m seconds against a predicted base P0 gives a sample
-    m / P0 of base_scale; a speculative step against predicted base P0 and extra E = T(k) - P0
-    gives a sample (m - base_scale * P0) / E of extra_scale (clipped to [0.05, 50]). Each scale
-    is the median of the bucket's last WINDOW samples once it holds MIN_SAMPLES, and 1 (the
-    model as profiled) before: a step slowed down by something else (a garbage collection, the
-    host scheduler) moves neither, where a moving average would let one such step switch
-    speculation off. A bucket's drafting samples are forgotten after ``reprobe_after`` steps in
-    a row that did not draft (GoodputPolicy), so speculation is measured again now and then (a
-    few steps in that many when it does not pay) rather than ruled out for good.
-    Steps whose time includes catch-up work (a model drafter reading the tokens it missed while
-    its row did not draft: the whole prompt the first time) are not fed in.
+    - the host's **speed** (``base_scale``): the median of measured / predicted over the bucket's
+      last WINDOW steps of either kind (MIN_SAMPLES at least; 1 before), the prediction with the
+      current shape. It scales the whole step, so it moves no decision (but what a catch-up is
+      worth against a step): a slow spell of the host, or a history served on a slower one, is
+      not read as dear drafting;
+    - the **shape** (``extra_scale``): what drafting adds against the model's prediction,
+      relative to the speed, learnt only from drafting and plain steps measured close together
+      (within PAIR_STEPS steps of the same call): a drafting step of m seconds, predicted plain
+      part P0 and drafting part E, beside plain steps that ran p times their prediction, gives
+      a sample (m / p - P0) / E (clipped to EXTRA_CLIP); the shape is the median of the bucket's
+      last WINDOW samples, 1 (the model as profiled) before the first.
 
-    Invariant: scales are positive; with fewer than MIN_SAMPLES measurements the calibrated model
-    is the model."""
+    Before, each scale was a median of its own kind of step, and a drafting sample (m - base
+    scale x P0) / E read the plain scale from whenever it was last measured: a step 20% slower
+    read as drafting 40% dearer where P0 and E are alike, and at a call's start every sample was
+    the history's. On an H100 (BENCHMARKS run 21) the drafting scale ranged 0.3-4.0 within one
+    run, and "finish" decoded plainly for 48-80 steps of a call whose drafting paid 1.2-1.6x.
+
+    A bucket whose drafting is measured with no plain step beside it cannot tell a slow host
+    from dear drafting. When MIN_SAMPLES recent unpaired drafting steps read a shape more than
+    PROBE_FACTOR off the current one (against the last plain speed known, 1 before any),
+    ``wants_plain_probe`` asks the policy for MIN_SAMPLES plain steps (at most once per
+    PROBE_EVERY steps of the bucket), which pair with them. A bucket's shape is forgotten
+    after ``reprobe_after`` steps in a row that did not draft (GoodputPolicy), so drafting is
+    measured again now and then (and pairs with the plain steps just taken) rather than ruled
+    out for good. Steps whose time includes catch-up work (a model drafter reading the tokens
+    it missed while its row did not draft: the whole prompt the first time) are not fed in.
+
+    Invariant: scales are positive; with no measurement the calibrated model is the model, and
+    the shape moves only on drafting and plain steps measured within PAIR_STEPS of each other."""
 
     WINDOW = 8
     MIN_SAMPLES = 3
     EXTRA_CLIP = (0.05, 50.0)
+    PAIR_STEPS = 16  # a drafting and a plain step this many steps apart or fewer are measured "together"
+    PROBE_FACTOR = 1.5  # drafting that reads this much off the current shape asks for a plain probe
+    PROBE_EVERY = 64  # steps of a bucket between two plain probes, at the least
+    PROBE_STEPS = CATCH_UP_STEPS  # plain steps of a probe: no longer, so switching back on is no catch-up
 
     def __init__(self):
-        self.base_scale: dict[int, float] = {}  # bucket -> median of its samples (MIN_SAMPLES or more)
-        self.extra_scale: dict[int, float] = {}
-        self._base_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW samples
-        self._extra_samples: dict[int, deque[float]] = {}
+        self.base_scale: dict[int, float] = {}  # bucket -> the host's speed (median of MIN_SAMPLES or more)
+        self.extra_scale: dict[int, float] = {}  # bucket -> the shape (median of its pair samples)
+        self._base_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW speed samples
+        self._extra_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW shape samples
+        self._plain: dict[int, deque] = {}  # bucket -> (clock, measured / predicted) of its last WINDOW plain steps
+        self._drafting: dict[int, deque] = {}  # bucket -> [clock, seconds, P0, E, paired] of its last drafting steps
+        self._last_probe: dict[int, int] = {}  # bucket -> the clock of its last plain probe
         self._idle: dict[int, int] = {}  # steps without drafting since the bucket's last drafting step
+        self._clock = 0  # steps measured, with a gap between calls (no pairs across calls)
         self._catch_up_samples: deque[float] = deque(maxlen=self.WINDOW)  # seconds a catch-up step cost beyond its prediction
 
     @property
@@ -511,9 +538,14 @@ class StepTimeCalibration:
         """One catch-up step's measured time minus the calibrated prediction of its drafting step."""
         self._catch_up_samples.append(max(float(excess_s), 0.0))
 
+    def new_call(self) -> None:
+        """A new generate() call: its steps pair with none of the last call's."""
+        self._clock += 2 * self.PAIR_STEPS + 1
+
     def apply(self, step_time: LinearStepTime, num_rows: int) -> LinearStepTime:
         bucket = row_bucket(num_rows)
-        return step_time.calibrated(self.base_scale.get(bucket, 1.0), self.extra_scale.get(bucket, 1.0))
+        speed = self.base_scale.get(bucket, 1.0)
+        return step_time.calibrated(speed, speed * self.extra_scale.get(bucket, 1.0))
 
     def _add(self, samples: dict, scales: dict, bucket: int, sample: float) -> None:
         held = samples.setdefault(bucket, deque(maxlen=self.WINDOW))
@@ -523,43 +555,82 @@ class StepTimeCalibration:
 
     def idle(self, num_rows: int, forget_after: int, steps: int = 1) -> None:
         """Count ``steps`` steps that did not draft; after ``forget_after`` of them in a row,
-        forget this bucket's drafting samples, so the next decision uses the model again and, if
-        it drafts, measures afresh: measurements cannot rule speculation out for good."""
+        forget this bucket's shape and drafting steps, so the next decision uses the model again
+        and, if it drafts, measures afresh beside the plain steps just taken: measurements cannot
+        rule speculation out for good."""
         bucket = row_bucket(num_rows)
-        if bucket not in self._extra_samples:
+        if bucket not in self._extra_samples and bucket not in self._drafting:
             return
         self._idle[bucket] = self._idle.get(bucket, 0) + steps
         if self._idle[bucket] >= forget_after:
-            del self._extra_samples[bucket]
+            self._extra_samples.pop(bucket, None)
+            self._drafting.pop(bucket, None)
             self.extra_scale.pop(bucket, None)
             self._catch_up_samples.clear()  # and what switching back on costs: one slow catch-up cannot rule it out for good
             self._idle[bucket] = 0
 
     def measured(self, num_rows: int) -> bool:
-        """Whether the bucket of ``num_rows`` active rows has a drafting correction (MIN_SAMPLES
-        measurements or more since it was last forgotten)."""
-        return row_bucket(num_rows) in self.extra_scale
+        """Whether the bucket of ``num_rows`` active rows has drafting measurements (a shape, or
+        MIN_SAMPLES drafting steps) since it was last forgotten."""
+        bucket = row_bucket(num_rows)
+        return bucket in self.extra_scale or len(self._drafting.get(bucket, ())) >= self.MIN_SAMPLES
 
     def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: list[float]) -> None:
         """Steps of the same lengths k [A], one sample each; step_time: the uncalibrated model over
         their A active rows (the prediction computed once)."""
         bucket = row_bucket(len(k))
-        if step_time.base <= 0:
+        base = step_time.base
+        if base <= 0:
             return
-        if not np.any(k):
-            for seconds in measured_s:
-                if seconds > 0:
-                    self._add(self._base_samples, self.base_scale, bucket, seconds / step_time.base)
-            return
-        self._idle[bucket] = 0
-        extra = float(step_time.extra(k))
-        if extra <= 0:
-            return
-        base = self.base_scale.get(bucket, 1.0) * step_time.base  # drafting samples leave base_scale as it is
+        extra = float(step_time.extra(k)) if np.any(k) else 0.0
+        predicted = base + self.extra_scale.get(bucket, 1.0) * extra
         for seconds in measured_s:
-            if seconds > 0:
-                low, high = self.EXTRA_CLIP
-                self._add(self._extra_samples, self.extra_scale, bucket, min(max((seconds - base) / extra, low), high))
+            self._clock += 1
+            if seconds <= 0:
+                continue
+            self._add(self._base_samples, self.base_scale, bucket, seconds / predicted)
+            if extra > 0:
+                self._drafting.setdefault(bucket, deque(maxlen=self.WINDOW)).append([self._clock, seconds, base, extra, False])
+            elif not np.any(k):
+                self._plain.setdefault(bucket, deque(maxlen=self.WINDOW)).append((self._clock, seconds / base))
+        if np.any(k):
+            self._idle[bucket] = 0
+        self._pair(bucket)
+
+    def _pair(self, bucket: int) -> None:
+        """Shape samples from the bucket's drafting steps that have plain steps within PAIR_STEPS."""
+        plain = self._plain.get(bucket, ())
+        low, high = self.EXTRA_CLIP
+        for sample in self._drafting.get(bucket, ()):
+            clock, seconds, base, extra, paired = sample
+            if paired:
+                continue
+            near = [ratio for at, ratio in plain if abs(at - clock) <= self.PAIR_STEPS]
+            if near:
+                shape = (seconds / statistics.median(near) - base) / extra
+                self._add(self._extra_samples, self.extra_scale, bucket, min(max(shape, low), high))
+                sample[4] = True
+
+    def wants_plain_probe(self, num_rows: int) -> bool:
+        """Whether the bucket's recent drafting steps, with no plain step beside them, read a shape
+        more than PROBE_FACTOR off the current one (against the last plain speed known, 1 before
+        any), and its last probe is PROBE_EVERY steps ago or more: a few plain steps then tell a
+        slow host from dear drafting."""
+        bucket = row_bucket(num_rows)
+        if self._clock - self._last_probe.get(bucket, -self.PROBE_EVERY) < self.PROBE_EVERY:
+            return False
+        recent = [s for s in self._drafting.get(bucket, ()) if not s[4] and self._clock - s[0] <= self.PAIR_STEPS]
+        if len(recent) < self.MIN_SAMPLES:
+            return False
+        plain = self._plain.get(bucket)
+        speed = plain[-1][1] if plain else 1.0
+        read = statistics.median((seconds / speed - base) / extra for _, seconds, base, extra, _ in recent)
+        current = self.extra_scale.get(bucket, 1.0)
+        return not current / self.PROBE_FACTOR <= max(read, 1e-9) <= current * self.PROBE_FACTOR
+
+    def probed(self, num_rows: int) -> None:
+        """The policy takes a plain probe in this bucket now."""
+        self._last_probe[row_bucket(num_rows)] = self._clock
 
 
 class GoodputPolicy(Policy):
@@ -578,9 +649,9 @@ class GoodputPolicy(Policy):
         acceptance rates (a position a row has never reached keeps the prior) rather than one
         rate per row; calibrate: correct the cost model online by the measured wall time of
         each step, less the policy's own plan (``StepRecord.step_time_s - plan_time_s``;
-        StepTimeCalibration: the plain step and what
-        drafting adds, per bucket of active rows), so a model that under-predicts what
-        speculation costs at this batch size stops speculating once it has measured it;
+        StepTimeCalibration: the host's speed, and what drafting adds against the model, per
+        bucket of active rows), so a model that under-predicts what speculation costs at this
+        batch size stops speculating once it has measured it, and a slow host does not;
         revisit: each step a row does not draft, its acceptance estimate moves this fraction of
         the way back to the prior, so a row switched off by a run of rejections is tried again
         (after about 1 / revisit steps) when the prior says drafting pays; 0 never revisits;
@@ -646,6 +717,8 @@ class GoodputPolicy(Policy):
             if self.drafter_index >= num_drafters:
                 raise ValueError(f"{self!r} drafts with drafter {self.drafter_index} but generate() was given {num_drafters}")
             self.end_call()  # the last call's last steps, unless already folded in: the calibration is kept across calls
+            if self.calibration is not None:
+                self.calibration.new_call()  # no calibration pairs across calls
             self._batch, self._steps, self._next_decision = batch, 0, 0
             self._lengths = np.zeros(batch.num_rows, dtype=np.int64)
             # the step each row last drafted: a model drafter's step also feeds it every token it
@@ -690,6 +763,13 @@ class GoodputPolicy(Policy):
         step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index) \
             if len(active) else None
         self._lengths = self._decide(active, caps, step_time, np.asarray(batch.remaining))
+        # drafting measured with no plain step beside it and read far off the model's shape: a few
+        # plain steps first, so the calibration can tell a slow host from dear drafting
+        probing = bool(self.calibration is not None and np.any(self._lengths[active] > 0)
+                       and self.calibration.wants_plain_probe(len(active)))
+        if probing:
+            self._lengths = np.zeros_like(self._lengths)
+            self.calibration.probed(len(active))
         self._asked = np.minimum(self._lengths, caps)  # [B] this interval's lengths
         asked = self._asked > 0
         # a row switched on after more than CATCH_UP_STEPS idle steps makes the interval's first
@@ -701,6 +781,8 @@ class GoodputPolicy(Policy):
         interval = self.decide_every if self._steps > 0 else min(self.decide_every, FIRST_INTERVAL)
         if asked.any() and self.calibration is not None and not self.calibration.measured(len(active)):
             interval = min(interval, StepTimeCalibration.MIN_SAMPLES + int(self._catching_up))
+        if probing:
+            interval = StepTimeCalibration.PROBE_STEPS
         self._next_decision = self._steps + interval
         self._last_drafted[asked] = self._steps + interval - 1
         # the interval's calibration compares its measured steps with this prediction

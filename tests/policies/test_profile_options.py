@@ -23,6 +23,7 @@ from specdec.policies import (
     rate_from_expected_tokens,
 )
 from specdec.policies.acceptance import StepCounts
+from specdec.policies.goodput import LinearStepTime, StepTimeCalibration
 from specdec.runner import runners_of
 from specdec.stats import StepRecord
 from specdec.types import VerifyCost
@@ -154,8 +155,9 @@ def test_goodput_calibration_switches_speculation_off_once_it_measures_what_it_c
     assert k == 0 and policy.calibration.extra_scale[4] > 10
     assert drafting_after(calibrate=False, slowdown=40.0)[0] == 4
     k, policy = drafting_after(calibrate=True, slowdown=1.0)
-    assert k == 4 and policy.calibration.extra_scale[4] == pytest.approx(1.0)
-    assert policy.calibration.base_scale == {}  # no plain step was measured
+    # drafting measured as modelled: the host's speed reads 1, and no plain probe was needed, so
+    # the shape (learnt from drafting steps beside plain ones) stays the model's
+    assert k == 4 and policy.calibration.base_scale[4] == pytest.approx(1.0) and 4 not in policy.calibration.extra_scale
 
 
 def test_goodput_calibration_probes_again_now_and_then_but_mostly_decodes_plainly():
@@ -201,13 +203,16 @@ def test_goodput_calibration_shortens_drafts_when_drafting_costs_more_than_model
 
 
 def test_goodput_calibration_is_kept_per_bucket_of_active_rows():
-    """Drafting measured 40x too slow at 64 active rows switches a batch of 64 to plain decoding,
-    and a batch of 2 rows, never measured, still drafts (its bucket starts at the model)."""
+    """Drafting measured 40x too slow at 64 active rows switches a batch of 64 to plain decoding
+    (after a plain probe beside the drafting steps), and a batch of 2 rows, never measured, still
+    drafts (its bucket starts at the model)."""
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
     policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
     wide = BatchState([np.arange(10)] * 64, 200, np.arange(64), np.zeros(0, dtype=np.int64))
-    plans = _run_calibrated(policy, wide, 6, lambda asked: 1.0 + (2.0 * asked.max() if asked.any() else 0.0))
-    assert plans[-1].max() == 0 and set(policy.calibration.extra_scale) == {64}
+    plans = _run_calibrated(policy, wide, 8, lambda asked: 1.0 + (2.0 * asked.max() if asked.any() else 0.0))
+    assert plans[0].max() == 4 and any(p.max() == 0 for p in plans)  # drafted, then probed plain steps
+    assert policy.plan(wide, 1).num_draft_tokens.max() == 0 and set(policy.calibration.extra_scale) == {64}
+    assert policy.calibration.extra_scale[64] == pytest.approx(40.0)
     narrow = BatchState([np.arange(10)] * 2, 200, np.arange(2), np.zeros(0, dtype=np.int64))
     assert policy.plan(narrow, 1).num_draft_tokens.max() == 4
 
@@ -220,17 +225,19 @@ def test_goodput_calibration_ignores_the_first_drafting_step():
     policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
     times = iter([50.0] + [1.2] * 10)
     plans = _run_calibrated(policy, batch, 6, lambda asked: next(times))
-    assert all(p.max() == 4 for p in plans) and policy.calibration.extra_scale[4] == pytest.approx(1.0)
+    # the host's speed reads 1 from the steps after it (the 50 s step left out), so no plain probe
+    assert all(p.max() == 4 for p in plans) and policy.calibration.base_scale[4] == pytest.approx(1.0)
 
 
 def test_goodput_calibration_leaves_out_the_policys_own_plan():
     """A step's wall time includes the policy's own plan (StepRecord.plan_time_s), which the cost
     model does not predict. With a 1.4 s plan in every step (seven times what k = 4 adds, 0.2 s),
-    the calibration still reads drafting as modelled and the policy keeps drafting; fed the same
-    steps as if the plan were decoding, it reads drafting as 8x dearer (1.6 s) and stops after
-    its three samples. (Deciding every 16 steps, as the bench does, a decision's work lands on
-    one step in 16, but at a call's tail, where rows finishing bring decisions forward, on most
-    of the few drafting steps a bucket of active rows gets.)"""
+    the calibration still reads the steps as modelled (speed 1) and the policy keeps drafting;
+    fed the same steps as if the plan were decoding, the drafting steps read 8x dearer than the
+    model's shape at speed 1, and the policy takes a plain probe after its three samples. (Deciding
+    every 16 steps, as the bench does, a decision's work lands on one step in 16, but at a call's
+    tail, where rows finishing bring decisions forward, on most of the few drafting steps a bucket
+    of active rows gets.)"""
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
     batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
 
@@ -245,9 +252,9 @@ def test_goodput_calibration_leaves_out_the_policys_own_plan():
         return plans, policy
 
     plans, policy = run_with(plan_reported=True)
-    assert all(p.max() == 4 for p in plans) and policy.calibration.extra_scale[4] == pytest.approx(1.0)
+    assert all(p.max() == 4 for p in plans) and policy.calibration.base_scale[4] == pytest.approx(1.0)
     plans, policy = run_with(plan_reported=False)
-    assert plans[3].max() == 4 and plans[4].max() == 0 and policy.calibration.extra_scale[4] == pytest.approx(8.0)
+    assert plans[3].max() == 4 and plans[4].max() == 0 and policy.calibration.base_scale[4] == pytest.approx(2.6 / 1.2)
 
 
 def test_goodput_calibration_ignores_the_catch_up_step_after_a_pause():
@@ -379,7 +386,55 @@ def test_goodput_calibration_is_not_moved_by_one_slow_step():
     policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
     times = iter([1.2] * 5 + [50.0] + [1.2] * 10)
     plans = _run_calibrated(policy, batch, 12, lambda asked: next(times))
-    assert all(p.max() == 4 for p in plans) and policy.calibration.extra_scale[4] == pytest.approx(1.0)
+    assert all(p.max() == 4 for p in plans) and policy.calibration.base_scale[4] == pytest.approx(1.0)
+
+
+def test_goodput_calibration_reads_a_slow_host_as_slow_not_as_dear_drafting():
+    """A history served on a host twice as slow in every step (plain and drafting alike, drafting
+    as the model's shape says) keeps drafting, after a plain probe of PROBE_STEPS steps: the
+    drafting steps alone read 7x the model's drafting at speed 1, which a slow host and dear
+    drafting would both explain, and the plain steps beside them tell the two apart. The next call,
+    on a host of normal speed, drafts from its first decision (a calibration from residuals read
+    drafting 7x dearer and decoded plainly, BENCHMARKS run 21)."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
+    probe = StepTimeCalibration.PROBE_STEPS
+
+    def call(slowdown, steps=40):
+        batch = BatchState([np.arange(10)] * 4, 1000, np.arange(4), np.zeros(0, dtype=np.int64))
+        return _run_calibrated(policy, batch, steps, lambda asked: slowdown * (1.0 + 0.05 * int(asked.max())))
+
+    slow = call(2.0)
+    assert sum(p.max() == 0 for p in slow) <= probe and slow[-1].max() == 4
+    assert policy.calibration.extra_scale[4] == pytest.approx(1.0) and policy.calibration.base_scale[4] == pytest.approx(2.0)
+    normal = call(1.0)
+    assert normal[0].max() == 4 and sum(p.max() == 0 for p in normal) <= probe and normal[-1].max() == 4
+    assert policy.calibration.extra_scale[4] == pytest.approx(1.0) and policy.calibration.base_scale[4] == pytest.approx(1.0)
+
+
+def test_calibration_pairs_drafting_and_plain_steps_of_one_call_only():
+    """The shape moves only on drafting and plain steps measured within PAIR_STEPS of each other
+    in one call: plain steps of an earlier call pair with none; plain steps right after do, and
+    give (m / p - P0) / E. A plain probe is asked for when drafting alone reads far off the shape,
+    at most once per PROBE_EVERY steps."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    step_time = LinearStepTime.from_cost_model(model, np.full(4, 10.0))  # plain 1 s, k = 4 adds 0.2 s
+    k = np.full(4, 4)
+    calibration = StepTimeCalibration()
+    calibration.observe(step_time, np.zeros(4, dtype=np.int64), [2.0] * 3)  # plain steps at twice the model
+    calibration.new_call()
+    calibration.observe(step_time, k, [2.4] * 3)  # drafting: 1.2 x 2
+    assert calibration.extra_scale == {} and calibration.measured(4)  # no pair across calls
+    assert not calibration.wants_plain_probe(4)  # against the last plain speed known (2), the shape reads 1
+    calibration.observe(step_time, k, [3.4] * 3)  # drafting 6x the model at that speed
+    assert calibration.wants_plain_probe(4)
+    calibration.probed(4)
+    assert not calibration.wants_plain_probe(4)  # once per PROBE_EVERY steps
+    calibration.observe(step_time, np.zeros(4, dtype=np.int64), [1.0] * 2)  # the probe: the host is at speed 1
+    shapes = sorted(calibration._extra_samples[4])
+    assert shapes == pytest.approx([7.0] * 3 + [12.0] * 3)  # (2.4 / 1 - 1) / 0.2 and (3.4 / 1 - 1) / 0.2
+    assert calibration.extra_scale[4] == pytest.approx(9.5)
+    assert calibration.apply(step_time, 4)(k) == pytest.approx(calibration.base_scale[4] * (1.0 + 9.5 * 0.2))
 
 
 def test_goodput_revisits_a_row_switched_off_by_rejections():
