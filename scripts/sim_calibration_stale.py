@@ -14,7 +14,8 @@ best fixed k:
 - "residual": the library before (4d9268b): a plain scale from plain steps, a drafting scale from the residual
   (measured - plain scale x predicted plain) / predicted drafting, each the median of its bucket's last 8;
 - "whole-step": one scale for the whole step (the model's split kept), the median of measured / predicted.
-Session 17's results are in BENCHMARKS.md, run 21. About 5 minutes on 2 CPU cores; arguments: seeds, batch sizes.
+Session 17's results are in BENCHMARKS.md, run 21. About 8 minutes on 2 CPU cores; arguments: seeds, batch sizes
+(64,16,4 by default; 1 for the batch-1 case), cases (comma-separated names of CASES; all by default).
 """
 import json
 import statistics
@@ -167,17 +168,25 @@ def true_time(base_slow, extra_slow, catch_up_plain_steps=2.0, extra_factor=0.7)
     return f
 
 
-def mean_tps(make, history, measured, n, seeds, mean_rate, calls=4):
+def mean_tps(make, history, measured, n, seeds, mean_rate, extra_factor=0.7, calls=4, measured_calls=1):
+    """history: one (plain, drafting) slowdown for every history call, or a list cycled over them;
+    measured_calls: calls timed after the history (batch 1: one request each), the last of the
+    history's slowdowns list continued for them when ``measured`` is None."""
     values = []
+    speeds = history if isinstance(history, list) else [history]
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
         policy = make()
         rates = lambda g: np.clip(g.beta(mean_rate * 30, (1 - mean_rate) * 30, n), 0, 0.98)
-        for _ in range(calls if isinstance(policy, GoodputPolicy) else 0):
-            simulate_call(policy, rates(rng), 128, true_time(*history), rng)
-        m = simulate_call(policy, rates(np.random.default_rng(2000 + seed)), 128, true_time(*measured),
-                          np.random.default_rng(1000 + seed))
-        values.append(m.tokens_per_s)
+        for call in range(calls if isinstance(policy, GoodputPolicy) else 0):
+            simulate_call(policy, rates(rng), 128, true_time(*speeds[call % len(speeds)], extra_factor=extra_factor), rng)
+        seconds = tokens = 0.0
+        for call in range(measured_calls):
+            speed = measured if measured is not None else speeds[(calls + call) % len(speeds)]
+            m = simulate_call(policy, rates(np.random.default_rng(2000 + 100 * seed + call)), 128,
+                              true_time(*speed, extra_factor=extra_factor), np.random.default_rng(1000 + 100 * seed + call))
+            seconds, tokens = seconds + m.seconds, tokens + m.tokens
+        values.append(tokens / seconds)
     return float(np.mean(values))
 
 
@@ -188,7 +197,7 @@ def finish(calibration=None):
     return policy
 
 
-CASES = {  # name: (history (plain, drafting) slowdown, measured call's, mean acceptance)
+CASES = {  # name: (history (plain, drafting) slowdown, measured call's, mean acceptance[, options of mean_tps])
     "none": ((1.0, 1.0), (1.0, 1.0), 0.8),
     "history x1.5": ((1.5, 1.5), (1.0, 1.0), 0.8),
     "history drafting x3": ((1.5, 3.0), (1.0, 1.0), 0.8),
@@ -196,16 +205,24 @@ CASES = {  # name: (history (plain, drafting) slowdown, measured call's, mean ac
     "plain best": ((1.0, 1.0), (1.0, 1.0), 0.35),
     "drafting x2 throughout": ((1.0, 2.0), (1.0, 2.0), 0.8),
     "drafting x4 throughout": ((1.0, 4.0), (1.0, 4.0), 0.8),
+    # a drafter costing 0.2x the model's drafting, on a host 1.2x slower than the model throughout
+    "cheap drafting, host x1.2": ((1.2, 1.2), (1.2, 1.2), 0.8, {"extra_factor": 0.2}),
+    # 8 history calls and 8 measured ones, the host's speed alternating 1.0 / 1.15 from call to call
+    "speed 1.0/1.15 by call": ([(1.0, 1.0), (1.15, 1.15)], None, 0.8, {"calls": 8, "measured_calls": 8}),
 }
 VARIANTS = {"speed+shape": finish, "residual": lambda: finish(Residual()), "whole-step": lambda: finish(WholeStep())}
 
 if __name__ == "__main__":
     seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     sizes = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [64, 16, 4]
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
     for n in sizes:
-        for name, (history, measured, rate) in CASES.items():
-            fixed = {k: mean_tps(lambda k=k: FixedPolicy(k), history, measured, n, seeds, rate) for k in (0, 2, 4, 6)}
+        for name in only:
+            history, measured, rate, *options = CASES[name]
+            options = options[0] if options else {}
+            fixed = {k: mean_tps(lambda k=k: FixedPolicy(k), history, measured, n, seeds, rate, **options)
+                     for k in (0, 2, 4, 6)}
             best = max(fixed.values())
-            got = {v: mean_tps(make, history, measured, n, seeds, rate) / best for v, make in VARIANTS.items()}
+            got = {v: mean_tps(make, history, measured, n, seeds, rate, **options) / best for v, make in VARIANTS.items()}
             print(f"b{n} {name}: fixed " + " ".join(f"{k}:{v / fixed[0]:.2f}" for k, v in fixed.items()) + " | "
                   + " ".join(f"{v} {x:.3f}" for v, x in got.items()), flush=True)

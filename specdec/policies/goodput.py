@@ -67,8 +67,8 @@ given ``prior`` worth PRIOR_ROW_STEPS row-steps, each call's counts halved at th
 re-learn the workload's acceptance from the given prior in every request. The step-time model is
 corrected online by measured wall times, per bucket of active rows (StepTimeCalibration): the
 host's speed from every step, and what drafting costs against the model only from drafting and
-plain steps measured together (with a plain probe of PROBE_STEPS steps when drafting alone reads
-far off), so a slow spell of the host is not read as dear drafting, while a model that
+plain steps measured together (with a plain probe of PROBE_STEPS steps when drafting steps alone
+run far off their prediction), so a slow spell of the host is not read as dear drafting, while a model that
 under-predicts what drafting costs at a large batch is still corrected; a batch's straggling last
 rows are a different trade-off from its first 64.
 
@@ -487,23 +487,28 @@ class StepTimeCalibration:
       (within PAIR_STEPS steps of the same call): a drafting step of m seconds, predicted plain
       part P0 and drafting part E, beside plain steps that ran p times their prediction, gives
       a sample (m / p - P0) / E (clipped to EXTRA_CLIP); the shape is the median of the bucket's
-      last WINDOW samples, 1 (the model as profiled) before the first.
+      last WINDOW samples once it holds MIN_SAMPLES, 1 (the model as profiled) before.
 
-    Before, each scale was a median of its own kind of step, and a drafting sample (m - base
+    Before, each scale was a median of its own kind of step, and a drafting sample (m - plain
     scale x P0) / E read the plain scale from whenever it was last measured: a step 20% slower
     read as drafting 40% dearer where P0 and E are alike, and at a call's start every sample was
     the history's. On an H100 (BENCHMARKS run 21) the drafting scale ranged 0.3-4.0 within one
     run, and "finish" decoded plainly for 48-80 steps of a call whose drafting paid 1.2-1.6x.
 
     A bucket whose drafting is measured with no plain step beside it cannot tell a slow host
-    from dear drafting. When MIN_SAMPLES recent unpaired drafting steps read a shape more than
-    PROBE_FACTOR off the current one (against the last plain speed known, 1 before any),
-    ``wants_plain_probe`` asks the policy for MIN_SAMPLES plain steps (at most once per
-    PROBE_EVERY steps of the bucket), which pair with them. A bucket's shape is forgotten
-    after ``reprobe_after`` steps in a row that did not draft (GoodputPolicy), so drafting is
-    measured again now and then (and pairs with the plain steps just taken) rather than ruled
-    out for good. Steps whose time includes catch-up work (a model drafter reading the tokens
-    it missed while its row did not draft: the whole prompt the first time) are not fed in.
+    from dear drafting. When its recent unpaired drafting steps (MIN_SAMPLES of them, median)
+    ran more than PROBE_TOLERANCE off what the current shape predicts at the recent plain speed
+    (the bucket's plain steps, else any bucket's, else 1), ``wants_plain_probe`` asks the policy
+    for PROBE_STEPS plain steps, which pair with them; at most once per PROBE_EVERY of the
+    bucket's steps. The test is on the whole step's time, which is what a decision weighs, not
+    on the shape, which a small error of the speed moves a lot where drafting is cheap. So
+    drafting that costs up to about PROBE_TOLERANCE more of the whole step than modelled, with
+    no plain step beside it, goes uncorrected (the speed takes it up). A bucket's shape is
+    forgotten after ``reprobe_after`` steps in a row that did not draft (GoodputPolicy), so
+    drafting is measured again now and then (and pairs with the plain steps just taken) rather
+    than ruled out for good. Steps whose time includes catch-up work (a model drafter reading
+    the tokens it missed while its row did not draft: the whole prompt the first time) are not
+    fed in.
 
     Invariant: scales are positive; with no measurement the calibrated model is the model, and
     the shape moves only on drafting and plain steps measured within PAIR_STEPS of each other."""
@@ -512,18 +517,20 @@ class StepTimeCalibration:
     MIN_SAMPLES = 3
     EXTRA_CLIP = (0.05, 50.0)
     PAIR_STEPS = 16  # a drafting and a plain step this many steps apart or fewer are measured "together"
-    PROBE_FACTOR = 1.5  # drafting that reads this much off the current shape asks for a plain probe
-    PROBE_EVERY = 64  # steps of a bucket between two plain probes, at the least
-    PROBE_STEPS = CATCH_UP_STEPS  # plain steps of a probe: no longer, so switching back on is no catch-up
+    PROBE_TOLERANCE = 0.25  # drafting steps this far off their prediction ask for a plain probe
+    PROBE_EVERY = 64  # the bucket's steps between two plain probes, at the least
+    PROBE_STEPS = CATCH_UP_STEPS  # plain steps of a probe (GoodputPolicy: the return is no catch-up)
 
     def __init__(self):
         self.base_scale: dict[int, float] = {}  # bucket -> the host's speed (median of MIN_SAMPLES or more)
         self.extra_scale: dict[int, float] = {}  # bucket -> the shape (median of its pair samples)
         self._base_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW speed samples
         self._extra_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW shape samples
-        self._plain: dict[int, deque] = {}  # bucket -> (clock, measured / predicted) of its last WINDOW plain steps
-        self._drafting: dict[int, deque] = {}  # bucket -> [clock, seconds, P0, E, paired] of its last drafting steps
-        self._last_probe: dict[int, int] = {}  # bucket -> the clock of its last plain probe
+        # bucket -> (clock, measured / predicted) of its last plain steps: as many as PAIR_STEPS ahead of a drafting step
+        self._plain: dict[int, deque] = {}
+        self._drafting: dict[int, deque] = {}  # bucket -> [clock, seconds, P0, E, paired] of its last WINDOW drafting steps
+        self._bucket_steps: dict[int, int] = {}  # bucket -> its steps measured
+        self._last_probe: dict[int, int] = {}  # bucket -> its step count at its last plain probe
         self._idle: dict[int, int] = {}  # steps without drafting since the bucket's last drafting step
         self._clock = 0  # steps measured, with a gap between calls (no pairs across calls)
         self._catch_up_samples: deque[float] = deque(maxlen=self.WINDOW)  # seconds a catch-up step cost beyond its prediction
@@ -586,13 +593,14 @@ class StepTimeCalibration:
         predicted = base + self.extra_scale.get(bucket, 1.0) * extra
         for seconds in measured_s:
             self._clock += 1
+            self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
             if seconds <= 0:
                 continue
             self._add(self._base_samples, self.base_scale, bucket, seconds / predicted)
             if extra > 0:
                 self._drafting.setdefault(bucket, deque(maxlen=self.WINDOW)).append([self._clock, seconds, base, extra, False])
             elif not np.any(k):
-                self._plain.setdefault(bucket, deque(maxlen=self.WINDOW)).append((self._clock, seconds / base))
+                self._plain.setdefault(bucket, deque(maxlen=self.PAIR_STEPS + 1)).append((self._clock, seconds / base))
         if np.any(k):
             self._idle[bucket] = 0
         self._pair(bucket)
@@ -611,26 +619,35 @@ class StepTimeCalibration:
                 self._add(self._extra_samples, self.extra_scale, bucket, min(max(shape, low), high))
                 sample[4] = True
 
+    def _plain_speed(self, bucket: int) -> float:
+        """The recent plain steps' measured / predicted: the bucket's (its last MIN_SAMPLES), else
+        the latest of any bucket's, else 1."""
+        own = self._plain.get(bucket)
+        if own:
+            return statistics.median(ratio for _, ratio in list(own)[-self.MIN_SAMPLES:])
+        latest = max((held[-1] for held in self._plain.values() if held), default=None)
+        return latest[1] if latest is not None else 1.0
+
     def wants_plain_probe(self, num_rows: int) -> bool:
-        """Whether the bucket's recent drafting steps, with no plain step beside them, read a shape
-        more than PROBE_FACTOR off the current one (against the last plain speed known, 1 before
-        any), and its last probe is PROBE_EVERY steps ago or more: a few plain steps then tell a
-        slow host from dear drafting."""
+        """Whether the bucket's recent unpaired drafting steps (MIN_SAMPLES or more, within
+        PAIR_STEPS) ran more than PROBE_TOLERANCE off what the current shape predicts at the
+        recent plain speed, and its last probe is PROBE_EVERY of its steps ago or more: a few
+        plain steps then tell a slow host from dear drafting."""
         bucket = row_bucket(num_rows)
-        if self._clock - self._last_probe.get(bucket, -self.PROBE_EVERY) < self.PROBE_EVERY:
+        steps = self._bucket_steps.get(bucket, 0)
+        if bucket in self._last_probe and steps - self._last_probe[bucket] < self.PROBE_EVERY:
             return False
         recent = [s for s in self._drafting.get(bucket, ()) if not s[4] and self._clock - s[0] <= self.PAIR_STEPS]
         if len(recent) < self.MIN_SAMPLES:
             return False
-        plain = self._plain.get(bucket)
-        speed = plain[-1][1] if plain else 1.0
-        read = statistics.median((seconds / speed - base) / extra for _, seconds, base, extra, _ in recent)
-        current = self.extra_scale.get(bucket, 1.0)
-        return not current / self.PROBE_FACTOR <= max(read, 1e-9) <= current * self.PROBE_FACTOR
+        speed, shape = self._plain_speed(bucket), self.extra_scale.get(bucket, 1.0)
+        off = statistics.median(seconds / (speed * (base + shape * extra)) for _, seconds, base, extra, _ in recent)
+        return abs(off - 1.0) > self.PROBE_TOLERANCE
 
     def probed(self, num_rows: int) -> None:
         """The policy takes a plain probe in this bucket now."""
-        self._last_probe[row_bucket(num_rows)] = self._clock
+        bucket = row_bucket(num_rows)
+        self._last_probe[bucket] = self._bucket_steps.get(bucket, 0)
 
 
 class GoodputPolicy(Policy):
@@ -770,6 +787,11 @@ class GoodputPolicy(Policy):
         if probing:
             self._lengths = np.zeros_like(self._lengths)
             self.calibration.probed(len(active))
+            # the probe's plain steps are not idleness: a row's drafter reads the PROBE_STEPS tokens it
+            # missed in its next drafting step, as after any plain step, so the return is no catch-up
+            # (neither priced as a switch-on nor left out of calibration)
+            was_drafting = self._last_drafted == self._steps - 1
+            self._last_drafted[was_drafting] = self._steps + StepTimeCalibration.PROBE_STEPS - CATCH_UP_STEPS
         self._asked = np.minimum(self._lengths, caps)  # [B] this interval's lengths
         asked = self._asked > 0
         # a row switched on after more than CATCH_UP_STEPS idle steps makes the interval's first
