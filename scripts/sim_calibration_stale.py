@@ -18,93 +18,29 @@ Session 17's results are in BENCHMARKS.md, run 21. About 8 minutes on 2 CPU core
 (64,16,4 by default; 1 for the batch-1 case), cases (comma-separated names of CASES; all by default).
 """
 import json
-import statistics
 import sys
-from collections import deque
 
 import numpy as np
 
 from specdec.policies import CostModel, FixedPolicy, GoodputPolicy
-from specdec.policies.goodput import LinearStepTime, row_bucket
+from specdec.policies.goodput import LinearStepTime, StepTimeCalibration, row_bucket
 from specdec.policies.simulate import simulate_call
 
 r = json.load(open("benchmarks/results/policies_h100_run21.json"))
 cm = CostModel.from_dict(r["parts"][0]["cost_model"]).subset([1])
 
 
-class Residual:
-    """Online correction of a LinearStepTime by measured step wall times, per bucket of active
-    rows (row_bucket), since what a model mis-predicts differs between 64 rows and 3.
+class Residual(StepTimeCalibration):
+    """The calibration of residuals as the library had it before session 17 (4d9268b): base_scale from plain
+    steps, extra_scale from (measured - base_scale x P0) / E of drafting steps, each the median of its bucket's
+    last WINDOW; the catch-up, forgetting and windows as the library's (no drafting step is kept for pairing, so
+    no plain probe is ever asked for)."""
 
-    A plain step measured at m seconds against a predicted base P0 gives a sample
-    m / P0 of base_scale; a speculative step against predicted base P0 and extra E = T(k) - P0
-    gives a sample (m - base_scale * P0) / E of extra_scale (clipped to [0.05, 50]). Each scale
-    is the median of the bucket's last WINDOW samples once it holds MIN_SAMPLES, and 1 (the
-    model as profiled) before: a step slowed down by something else (a garbage collection, the
-    host scheduler) moves neither, where a moving average would let one such step switch
-    speculation off. A bucket's drafting samples are forgotten after ``reprobe_after`` steps in
-    a row that did not draft (GoodputPolicy), so speculation is measured again now and then (a
-    few steps in that many when it does not pay) rather than ruled out for good.
-    Steps whose time includes catch-up work (a model drafter reading the tokens it missed while
-    its row did not draft: the whole prompt the first time) are not fed in.
-
-    Invariant: scales are positive; with fewer than MIN_SAMPLES measurements the calibrated model
-    is the model."""
-
-    WINDOW = 8
-    MIN_SAMPLES = 3
-    EXTRA_CLIP = (0.05, 50.0)
-
-    def __init__(self):
-        self.base_scale: dict[int, float] = {}  # bucket -> median of its samples (MIN_SAMPLES or more)
-        self.extra_scale: dict[int, float] = {}
-        self._base_samples: dict[int, deque[float]] = {}  # bucket -> its last WINDOW samples
-        self._extra_samples: dict[int, deque[float]] = {}
-        self._idle: dict[int, int] = {}  # steps without drafting since the bucket's last drafting step
-        self._catch_up_samples: deque[float] = deque(maxlen=self.WINDOW)  # seconds a catch-up step cost beyond its prediction
-
-    @property
-    def catch_up_s(self) -> float:
-        """What a catch-up step costs beyond an ordinary drafting step (the median of the last
-        WINDOW measured ones; 0 before the first): the price of switching a row back on."""
-        return statistics.median(self._catch_up_samples) if self._catch_up_samples else 0.0
-
-    def observe_catch_up(self, excess_s: float) -> None:
-        """One catch-up step's measured time minus the calibrated prediction of its drafting step."""
-        self._catch_up_samples.append(max(float(excess_s), 0.0))
-
-    def apply(self, step_time: LinearStepTime, num_rows: int) -> LinearStepTime:
+    def apply(self, step_time, num_rows):
         bucket = row_bucket(num_rows)
         return step_time.calibrated(self.base_scale.get(bucket, 1.0), self.extra_scale.get(bucket, 1.0))
 
-    def _add(self, samples: dict, scales: dict, bucket: int, sample: float) -> None:
-        held = samples.setdefault(bucket, deque(maxlen=self.WINDOW))
-        held.append(sample)
-        if len(held) >= self.MIN_SAMPLES:
-            scales[bucket] = statistics.median(held)
-
-    def idle(self, num_rows: int, forget_after: int, steps: int = 1) -> None:
-        """Count ``steps`` steps that did not draft; after ``forget_after`` of them in a row,
-        forget this bucket's drafting samples, so the next decision uses the model again and, if
-        it drafts, measures afresh: measurements cannot rule speculation out for good."""
-        bucket = row_bucket(num_rows)
-        if bucket not in self._extra_samples:
-            return
-        self._idle[bucket] = self._idle.get(bucket, 0) + steps
-        if self._idle[bucket] >= forget_after:
-            del self._extra_samples[bucket]
-            self.extra_scale.pop(bucket, None)
-            self._catch_up_samples.clear()  # and what switching back on costs: one slow catch-up cannot rule it out for good
-            self._idle[bucket] = 0
-
-    def measured(self, num_rows: int) -> bool:
-        """Whether the bucket of ``num_rows`` active rows has a drafting correction (MIN_SAMPLES
-        measurements or more since it was last forgotten)."""
-        return row_bucket(num_rows) in self.extra_scale
-
-    def observe(self, step_time: LinearStepTime, k: np.ndarray, measured_s: list[float]) -> None:
-        """Steps of the same lengths k [A], one sample each; step_time: the uncalibrated model over
-        their A active rows (the prediction computed once)."""
+    def observe(self, step_time, k, measured_s):
         bucket = row_bucket(len(k))
         if step_time.base <= 0:
             return
@@ -118,20 +54,10 @@ class Residual:
         if extra <= 0:
             return
         base = self.base_scale.get(bucket, 1.0) * step_time.base  # drafting samples leave base_scale as it is
+        low, high = self.EXTRA_CLIP
         for seconds in measured_s:
             if seconds > 0:
-                low, high = self.EXTRA_CLIP
                 self._add(self._extra_samples, self.extra_scale, bucket, min(max((seconds - base) / extra, low), high))
-
-    def new_call(self):
-        pass
-
-    def wants_plain_probe(self, num_rows):
-        return False
-
-    def probed(self, num_rows):
-        pass
-
 
 
 class WholeStep(Residual):

@@ -589,7 +589,8 @@ class StepTimeCalibration:
         base = step_time.base
         if base <= 0:
             return
-        extra = float(step_time.extra(k)) if np.any(k) else 0.0
+        drafting = bool(np.any(k))
+        extra = float(step_time.extra(k)) if drafting else 0.0
         predicted = base + self.extra_scale.get(bucket, 1.0) * extra
         for seconds in measured_s:
             self._clock += 1
@@ -599,9 +600,9 @@ class StepTimeCalibration:
             self._add(self._base_samples, self.base_scale, bucket, seconds / predicted)
             if extra > 0:
                 self._drafting.setdefault(bucket, deque(maxlen=self.WINDOW)).append([self._clock, seconds, base, extra, False])
-            elif not np.any(k):
+            elif not drafting:
                 self._plain.setdefault(bucket, deque(maxlen=self.PAIR_STEPS + 1)).append((self._clock, seconds / base))
-        if np.any(k):
+        if drafting:
             self._idle[bucket] = 0
         self._pair(bucket)
 
