@@ -25,7 +25,10 @@
 #             started before the 30 minutes are up. Run 21 (an H100): 425 s (zoo with tests), 526 s
 #             (b1), 415 s (b64), 342 s (b16), 397 s (b4, whose then 330 s limit left out
 #             `continuation`, measured later as part p4c); the last call ended 36 minutes after the
-#             machine started. Run 20 ran b1 as part `p1m`
+#             machine started. Run 22 (an H200, whose held time all counted as device time): 320 s
+#             (zoo with tests), 456 s (b1), 384 s (b64), 574 s (b16, then a b4 `mixed` part that its
+#             110 s limit left empty); 1788 s of the 1800 were spent, so p4 needs a session of its own
+#             or a shorter grid. Run 20 ran b1 as part `p1m`
 #             (`--workloads mixed --time-limit-s 140`) in the 5 minutes it thought were left.
 #             Merge with `python -m specdec bench --policies --merge` (a part cut by its time limit
 #             lists its skipped cells)
@@ -37,9 +40,18 @@
 # e.g. PIN=2-5) runs the benches under `taskset -c $PIN`: the policy runs of session 4 ran at two
 # speeds from pass to pass, and pinning the process to cores near the GPU is the first thing to
 # try against that (versions.txt records the GPU's CPU affinity and the host's CPUs).
+# What comes back: the device returns at most 8 files from $OUT (run 22 lost a part's JSON past that
+# limit), so every file is written to a work folder and packed into $OUT/results.tgz after each
+# step; a call killed by its time limit still returns what its finished steps wrote. Unpack here
+# with `tar xzf results.tgz -C somewhere`. PART_LIMIT_S (default 420) is the p64/p16/p4/p1 parts'
+# own time limit: below the call's remaining device time, or the part writes nothing.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true SPECDEC_ZOO_DIR=${SPECDEC_ZOO_DIR:-/tmp/zoo}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+RETURNED=${OUT:-/tmp/out}; mkdir -p "$RETURNED"
+OUT=/tmp/specdec_gpu_session_out; rm -rf "$OUT"; mkdir -p "$OUT"
+pack() { tar czf "$RETURNED/results.tgz.part" -C "$OUT" . && mv "$RETURNED/results.tgz.part" "$RETURNED/results.tgz"; }
+trap pack EXIT
+PART_LIMIT_S=${PART_LIMIT_S:-420}
 PARTS=${PARTS:-tests}
 quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config" ; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
@@ -65,6 +77,7 @@ if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " poli
   timeout "${BUILD_TIMEOUT:-300}" python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$OUT/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$OUT/zoo_gpu_manifest.json" 2>/dev/null
+  pack
 fi
 [[ " $PARTS " =~ " bench " ]] && $RUN -m specdec bench --out "$OUT" 2>&1 | quiet | tee "$OUT/bench.log" | tail -40
 [[ " $PARTS " =~ " quick " ]] && $RUN -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30
@@ -80,16 +93,17 @@ policies_part() {
   $RUN -m specdec bench --policies --preset gpu --device cuda --num-prompts 16 --history-prompts 8 --pass-calls 2 \
     --out "$OUT" --name "policies_${GPU_TAG}_$name" "$@" 2>&1 | tee "$OUT/policies_$name.log" \
     | grep -E "elapsed|wrote|skipped|warning:|Error|head to head" | tail -12
+  pack
 }
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
-[[ " $PARTS " =~ " p64 " ]] && policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420
-[[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420 --profile-prompts 48 --profile-repeats 1
-[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s 420 --profile-prompts 48 --profile-repeats 1
+[[ " $PARTS " =~ " p64 " ]] && policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s $PART_LIMIT_S
+[[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s $PART_LIMIT_S --profile-prompts 48 --profile-repeats 1
+[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s $PART_LIMIT_S --profile-prompts 48 --profile-repeats 1
 # one workload at batch 4 (run 21's p4 reached its 330 s limit before `continuation`): 248 s after a
 # `zoo` call on the same machine. On a fresh machine without that call's warm-up, the zoo build and
 # this part did not fit one call: the part's compilation ran cold, and no cell was done at 600 s
 [[ " $PARTS " =~ " p4c " ]] && policies_part b4_continuation --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1 --workloads continuation
-[[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 400 --profile-prompts 8 --profile-repeats 2
+[[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s ${P1_LIMIT_S:-400} --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " p1m " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 140 --profile-prompts 8 --profile-repeats 2 --workloads mixed
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
 exit 0
