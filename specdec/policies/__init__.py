@@ -19,7 +19,7 @@ from .batch_adaptive import (
 from .cost_model import CostModel, LinearTimeModel, ProfileGrid, profile
 from .fixed import FixedPolicy
 from .goodput import GoodputPolicy
-from .simulate import SimulatedCall, simulate_call
+from .simulate import SimulatedCall, replay_call, simulate_call
 
 __all__ = [
     "AcceptanceEstimator",
@@ -41,6 +41,7 @@ __all__ = [
     "measure_round_times",
     "monotone_table",
     "rate_from_expected_tokens",
+    "replay_call",
     "simulate_call",
     "table_from_throughput",
 ]

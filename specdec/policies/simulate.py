@@ -5,10 +5,18 @@ the best fixed length of a batch can be found by simulation and a policy's choic
 with it (tests/policies/test_simulate.py); the static batch's tail, which lasts as long as its
 slowest row, is reproduced exactly.
 
+``replay_call`` replays recorded greedy decoding instead of i.i.d. rates: for each row, whether
+the drafter's greedy token at each generated position (given the target's own tokens before it)
+is the target's. With a greedy target and a greedy drafter that is exactly what a draft of k
+tokens from that position gets accepted (the run of agreements from it), so a policy meets the
+acceptance of real text, bursts and droughts included, without a model in the loop
+(scripts/sim_trace_replay.py records it from the model zoo).
+
 Invariant (what ``generate()`` does for a policy): plan before each step, observe its
 StepRecord after; a row drafts at most its budget less one token and emits at most its budget;
-a drafted token is accepted with its row's rate, i.i.d., until the first rejection, after which
-the target's own token is emitted; the call ends when every row has its ``max_new_tokens``.
+a drafted token is accepted with its row's rate, i.i.d. (or as the recorded agreements say),
+until the first rejection, after which the target's own token is emitted; the call ends when
+every row has its ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -44,9 +52,48 @@ def simulate_call(policy: Policy, rates, max_new_tokens: int, step_time: Callabl
     rates = np.asarray(rates, dtype=np.float64)  # [B]
     if rates.ndim != 1 or len(rates) == 0 or np.any((rates < 0) | (rates >= 1)):
         raise ValueError(f"rates must be a non-empty 1-D array of acceptance rates in [0, 1), got {rates!r}")
+
+    def accepted_run(generated: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+        return np.minimum(rng.geometric(1.0 - rates) - 1, drafted)  # [B]
+
+    return _run_call(policy, len(rates), max_new_tokens, step_time, accepted_run, prompt_tokens)
+
+
+def replay_call(policy: Policy, agreement, max_new_tokens: int, step_time: Callable[[np.ndarray, np.ndarray], float],
+                prompt_tokens: int = 64) -> SimulatedCall:
+    """One static batch replaying recorded decoding: ``agreement`` holds one sequence of bools
+    per row, entry j saying whether the drafter's greedy token at generated position j (after
+    the target's own first j tokens) is the target's; a draft of k tokens from position j is
+    accepted for the run of agreements agreement[j:j+k]. Each sequence needs ``max_new_tokens``
+    entries (the last is never drafted at); step_time as for simulate_call."""
+    if isinstance(agreement, np.ndarray) and agreement.ndim == 2:
+        agreement = list(agreement)
+    rows = [np.asarray(a, dtype=bool) for a in agreement]
+    if not rows or any(a.ndim != 1 for a in rows):
+        raise ValueError("agreement must be a non-empty list of 1-D bool sequences, one per row")
+    short = [i for i, a in enumerate(rows) if len(a) < max_new_tokens]
+    if short:
+        raise ValueError(f"rows {short[:5]} record fewer than max_new_tokens={max_new_tokens} positions: "
+                         "record longer decodings or ask for fewer new tokens")
+    # [B, max_new_tokens + 1]: the run of agreements starting at each position (0 past the end)
+    runs = np.zeros((len(rows), max_new_tokens + 1), dtype=np.int64)
+    for i, a in enumerate(rows):
+        for j in range(max_new_tokens - 1, -1, -1):
+            runs[i, j] = runs[i, j + 1] + 1 if a[j] else 0
+
+    def accepted_run(generated: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+        at = np.minimum(generated, max_new_tokens)  # [B]
+        return np.minimum(runs[np.arange(len(rows)), at], drafted)  # [B]
+
+    return _run_call(policy, len(rows), max_new_tokens, step_time, accepted_run, prompt_tokens)
+
+
+def _run_call(policy: Policy, num_rows: int, max_new_tokens: int, step_time: Callable[[np.ndarray, np.ndarray], float],
+              accepted_run: Callable[[np.ndarray, np.ndarray], np.ndarray], prompt_tokens: int) -> SimulatedCall:
+    """The decoding loop of one static batch: accepted_run(generated [B], drafted [B]) -> each
+    row's accepted draft tokens this step."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
-    num_rows = len(rates)
     batch = BatchState([np.zeros(prompt_tokens, dtype=np.int64)] * num_rows, max_new_tokens, np.arange(num_rows),
                        np.zeros(0, dtype=np.int64))
     result = SimulatedCall(0, 0.0, 0)
@@ -55,7 +102,7 @@ def simulate_call(policy: Policy, rates, max_new_tokens: int, step_time: Callabl
         plan = policy.plan(batch, 1)
         remaining = batch.remaining  # [B] 0 where finished
         drafted = np.where(batch.finished, 0, np.minimum(plan.num_draft_tokens, np.maximum(remaining - 1, 0)))  # [B]
-        accepted = np.minimum(rng.geometric(1.0 - rates) - 1, drafted)  # [B] the run of accepted tokens
+        accepted = accepted_run(batch.num_generated.copy(), drafted)  # [B] the run of accepted tokens
         emitted = np.where(batch.finished, 0, np.minimum(accepted + 1, remaining))  # [B]
         seconds = float(step_time(batch.lengths[active], drafted[active]))
         record = StepRecord(result.steps, active, np.zeros(num_rows, dtype=np.int64), drafted, accepted, emitted,

@@ -8,7 +8,7 @@ import pytest
 from specdec.policies import CostModel, FixedPolicy, GoodputPolicy
 from specdec.policies.acceptance import RowRateSpread
 from specdec.policies.goodput import FIRST_INTERVAL, LinearStepTime, posterior_rate_samples, shrunk_rates
-from specdec.policies.simulate import simulate_call
+from specdec.policies.simulate import replay_call, simulate_call
 
 # the H200 run's coefficients (tests/policies/test_profile_options.py): drafting pays, a little
 H200_LIKE = CostModel.from_coefficients(c_fixed=1.175e-3, c_tok=4.03e-7, c_kv=5.25e-9,
@@ -55,6 +55,20 @@ def test_simulated_calls_follow_the_decoding_contract():
     for bad in ([], [1.0], [[0.5]]):
         with pytest.raises(ValueError, match="rates"):
             simulate_call(FixedPolicy(1), np.array(bad), 5, step_time, rng)
+
+
+def test_replayed_calls_accept_the_recorded_runs_of_agreement():
+    # row 0 agrees everywhere: k = 3 emits 4 tokens a step; row 1 agrees at positions 0-1 and 4 only
+    agreement = [np.ones(12, dtype=bool), np.array([1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0], dtype=bool)]
+    call = replay_call(FixedPolicy(3), agreement, 12, step_time)
+    # row 1: from 0 accepts 2 (emits 3, at 3); from 3 accepts 0 (at 4); from 4 accepts 1 (at 6); then 1 a step
+    assert call.steps == 3 + 6 and call.tokens == 24
+    assert replay_call(FixedPolicy(0), agreement, 12, step_time).steps == 12  # plain decoding reads no agreement
+    assert replay_call(FixedPolicy(8), [np.ones(12, dtype=bool)], 12, step_time).steps == 2  # 9 tokens, then the last 3
+    with pytest.raises(ValueError, match="fewer than max_new_tokens"):
+        replay_call(FixedPolicy(3), agreement, 13, step_time)
+    with pytest.raises(ValueError, match="agreement"):
+        replay_call(FixedPolicy(3), [], 12, step_time)
 
 
 def test_posterior_samples_are_stratified_around_the_shrunk_rates():
