@@ -49,7 +49,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true SPECDEC_ZOO_DIR=${SPECDEC_ZOO_DIR:-/tmp/zoo}
 RETURNED=${OUT:-/tmp/out}; mkdir -p "$RETURNED"
 OUT=/tmp/specdec_gpu_session_out; rm -rf "$OUT"; mkdir -p "$OUT"
-pack() { tar czf "$RETURNED/results.tgz.part" -C "$OUT" . && mv "$RETURNED/results.tgz.part" "$RETURNED/results.tgz"; }
+# (tar exits 1 when a file changed as it read it, e.g. the CUDA tests' log written beside the build: still a pack)
+pack() { tar czf "$RETURNED/results.tgz.part" -C "$OUT" . ; [[ $? -le 1 ]] && mv "$RETURNED/results.tgz.part" "$RETURNED/results.tgz"; }
 trap pack EXIT
 PART_LIMIT_S=${PART_LIMIT_S:-420}
 PARTS=${PARTS:-tests}
@@ -69,7 +70,7 @@ if [[ " $PARTS " =~ " tests " ]]; then
     timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1 &
     TESTS_PID=$!
   else
-    timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1; tail -25 "$OUT/cuda_tests.log"
+    timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1; tail -25 "$OUT/cuda_tests.log"; pack
   fi
 fi
 if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " policies " || " $PARTS " =~ " demo " || " $PARTS " =~ " zoo " || " $PARTS " =~ " noise " || " $PARTS " =~ " p" ]]; then
@@ -79,14 +80,14 @@ if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " poli
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$OUT/zoo_gpu_manifest.json" 2>/dev/null
   pack
 fi
-[[ " $PARTS " =~ " bench " ]] && $RUN -m specdec bench --out "$OUT" 2>&1 | quiet | tee "$OUT/bench.log" | tail -40
-[[ " $PARTS " =~ " quick " ]] && $RUN -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30
+[[ " $PARTS " =~ " bench " ]] && $RUN -m specdec bench --out "$OUT" 2>&1 | quiet | tee "$OUT/bench.log" | tail -40; pack
+[[ " $PARTS " =~ " quick " ]] && $RUN -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30; pack
 [[ " $PARTS " =~ " zoo " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --quick \
   --workloads mixed --time-limit-s 30 --out /tmp/warm 2>&1 | quiet | tail -3
-[[ -n "$TESTS_PID" ]] && { wait "$TESTS_PID"; tail -25 "$OUT/cuda_tests.log"; }
-[[ " $PARTS " =~ " noise " ]] && PYTHONPATH=. python3 scripts/noise_probe.py --out "$OUT" 2>&1 | quiet | tee "$OUT/noise.log" | tail -12
+[[ -n "$TESTS_PID" ]] && { wait "$TESTS_PID"; tail -25 "$OUT/cuda_tests.log"; pack; }
+[[ " $PARTS " =~ " noise " ]] && PYTHONPATH=. python3 scripts/noise_probe.py --out "$OUT" 2>&1 | quiet | tee "$OUT/noise.log" | tail -12; pack
 [[ " $PARTS " =~ " policies " ]] && $RUN -m specdec bench --policies --preset gpu --device cuda \
-  ${POLICY_ARGS:---num-prompts 32 --time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30
+  ${POLICY_ARGS:---num-prompts 32 --time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30; pack
 # one part of a policies run: policies_part NAME ARGS... (full log under $OUT, progress lines shown)
 policies_part() {
   local name=$1; shift
@@ -105,5 +106,5 @@ policies_part() {
 [[ " $PARTS " =~ " p4c " ]] && policies_part b4_continuation --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1 --workloads continuation
 [[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s ${P1_LIMIT_S:-400} --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " p1m " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 140 --profile-prompts 8 --profile-repeats 2 --workloads mixed
-[[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"
+[[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"; pack
 exit 0

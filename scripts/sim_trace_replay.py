@@ -14,19 +14,21 @@ then 8 measured ones, one call each, as the benchmark's b1 cells; the policy's p
 tau by length, as the benchmark fits it to its tau profile. Printed: tokens/s of fixed k against plain, and
 each policy as a fraction of the best fixed k.
 
-Arguments: the number of requests per workload (16: 8 history + 8 measured). About 3 minutes on 2 CPU cores
-with the `cpu` zoo built (`python -m specdec zoo build`); the agreements are cached in /tmp.
+Arguments: the number of requests per workload (16: 8 history + 8 measured), then cases (comma-separated
+kind[:noisy], kind one of model, measured, spells; all four by default). The agreements are cached in /tmp by
+the count alone: delete the cache after rebuilding the zoo. About 3 minutes on 2 CPU cores
+with the `cpu` zoo built (`python -m specdec zoo build`).
 """
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
-import scipy.optimize
 import torch
 
 from specdec import zoo
 from specdec.policies import CostModel, FixedPolicy, GoodputPolicy
+from specdec.policies.acceptance import rate_from_expected_tokens
 from specdec.policies.simulate import replay_call
 from specdec.workloads import WorkloadGenerator
 
@@ -70,8 +72,8 @@ SPELL_START, SPELL_STEPS, SPELL_DRAFTING, SPELL_PLAIN = 0.02, 20, 1.6, 1.1
 
 def true_step_time(kind: str, noise: bool, rng: np.random.Generator):
     """kind "model", "measured" or "spells" (measured, with spells of the host: from any step, with probability
-    SPELL_START, SPELL_STEPS steps in which a drafting step's extra time costs SPELL_DRAFTING x and a plain step
-    SPELL_PLAIN x, as run 22's first b1 request drafted 1.5-1.6x slower for about 20 steps)."""
+    SPELL_START, SPELL_STEPS steps in which a whole drafting step costs SPELL_DRAFTING x and a plain step
+    SPELL_PLAIN x, as run 22's first b1 request drafted 1.5-1.7x slower for about 20 steps)."""
     spell = [0]
 
     def seconds(lengths, k):
@@ -84,29 +86,32 @@ def true_step_time(kind: str, noise: bool, rng: np.random.Generator):
                 spell[0] = SPELL_STEPS
             if spell[0] > 0:
                 spell[0] -= 1
-                plain, extra = plain * SPELL_PLAIN, extra * SPELL_DRAFTING * SPELL_PLAIN
+                if drafting:  # the whole drafting step SPELL_DRAFTING x
+                    plain, extra = plain * SPELL_DRAFTING, extra * SPELL_DRAFTING
+                else:
+                    plain = plain * SPELL_PLAIN
         return (plain + extra) * (float(np.exp(rng.normal(0.0, 0.1))) if noise else 1.0)
     return seconds
 
 
 def fitted_rate(agreement, prompt_tokens) -> float:
-    """The i.i.d. rate whose tau by length (1, 2, 4, 6, 8) matches these requests' under fixed k."""
-    lengths = (1, 2, 4, 6, 8)
-    tau = []
-    for k in lengths:
+    """The i.i.d. rate whose tau by length matches these requests' under fixed k (the benchmark's profile
+    lengths; rate_from_expected_tokens, as the benchmark fits GoodputPolicy's prior)."""
+    tau = {}
+    for k in (1, 2, 3, 4, 6, 8):
         calls = [replay_call(FixedPolicy(k), [a], NEW_TOKENS, lambda n, kk: 1.0, p) for a, p in zip(agreement, prompt_tokens)]
-        tau.append(sum(c.tokens for c in calls) / sum(c.steps for c in calls))
-
-    def error(rate):
-        return sum((((1 - rate ** (k + 1)) / (1 - rate)) - t) ** 2 for k, t in zip(lengths, tau))
-    return float(scipy.optimize.minimize_scalar(error, bounds=(0.01, 0.99), method="bounded").x)
+        tau[k] = sum(c.tokens for c in calls) / sum(c.steps for c in calls)
+    return rate_from_expected_tokens(tau)
 
 
 def tokens_per_s(make, history, measured, seed, kind, noise) -> float:
-    policy, rng = make(), np.random.default_rng(seed)
-    step = true_step_time(kind, noise, rng)
+    """The measured calls' tokens/s after serving ``history``: the measured calls' noise and spells come from
+    one seed's fresh generator, the same for every policy (paired), whatever the history drew."""
+    policy = make()
+    step = true_step_time(kind, noise, np.random.default_rng([seed, 0]))
     for agreement, prompt in history:
         replay_call(policy, [agreement], NEW_TOKENS, step, prompt)
+    step = true_step_time(kind, noise, np.random.default_rng([seed, 1]))
     tokens = seconds = 0.0
     for agreement, prompt in measured:
         call = replay_call(policy, [agreement], NEW_TOKENS, step, prompt)
@@ -126,7 +131,7 @@ def main():
         "exact (per-row)": lambda prior: GoodputPolicy(MODEL, max_draft_tokens=8, search="exact", decide_every=16, prior=prior),
     }
     seeds = range(6)
-    cases = [c.split(":") for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else \
+    cases = [(c.split(":") + [""])[:2] for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else \
         [("model", ""), ("measured", ""), ("measured", "noisy"), ("spells", "noisy")]
     for kind, noise in cases:
         noise = noise == "noisy"

@@ -68,7 +68,8 @@ re-learn the workload's acceptance from the given prior in every request. The st
 corrected online by measured wall times, per bucket of active rows (StepTimeCalibration): the
 host's speed from every step, and what drafting costs against the model only from drafting and
 plain steps measured together (with a plain probe of PROBE_STEPS steps when drafting steps alone
-run far off their prediction), so a slow spell of the host is not read as dear drafting, while a model that
+run far off their prediction; a step that switches between the two is left out, as it costs more
+than either), so a slow spell of the host is not read as dear drafting, while a model that
 under-predicts what drafting costs at a large batch is still corrected; a batch's straggling last
 rows are a different trade-off from its first 64.
 
@@ -507,8 +508,9 @@ class StepTimeCalibration:
     forgotten after ``reprobe_after`` steps in a row that did not draft (GoodputPolicy), so
     drafting is measured again now and then (and pairs with the plain steps just taken) rather
     than ruled out for good. Steps whose time includes catch-up work (a model drafter reading
-    the tokens it missed while its row did not draft: the whole prompt the first time) are not
-    fed in.
+    the tokens it missed while its row did not draft: the whole prompt the first time), and
+    steps that switch between drafting and plain decoding, are not fed in (``unmeasured``;
+    GoodputPolicy._calibrate says why).
 
     Invariant: scales are positive; with no measurement the calibrated model is the model, and
     the shape moves only on drafting and plain steps measured within PAIR_STEPS of each other."""
@@ -574,6 +576,15 @@ class StepTimeCalibration:
             self._drafting.pop(bucket, None)
             self.extra_scale.pop(bucket, None)
             self._catch_up_samples.clear()  # and what switching back on costs: one slow catch-up cannot rule it out for good
+            self._idle[bucket] = 0
+
+    def unmeasured(self, num_rows: int, drafting: bool) -> None:
+        """A step not calibrated on (a catch-up, or a switch between drafting and plain
+        decoding): the clock runs on, and a drafting one ends the bucket's run of idle steps."""
+        bucket = row_bucket(num_rows)
+        self._clock += 1
+        self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+        if drafting:
             self._idle[bucket] = 0
 
     def measured(self, num_rows: int) -> bool:
@@ -719,6 +730,7 @@ class GoodputPolicy(Policy):
         self._next_decision = 0  # the step of the next decision
         self._records: list[StepRecord] = []  # the steps since the last decision
         self._row_trial_steps = np.zeros(0, dtype=np.int64)  # [B] "finish": each row's steps with a trial this call
+        self._previous_ran: bool | None = None  # whether the call's last step ran the drafter (calibration)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -748,6 +760,7 @@ class GoodputPolicy(Policy):
             self._call_successes = np.zeros(batch.num_rows)  # [B] the call's counts, undecayed (RowRateSpread)
             self._call_trials = np.zeros(batch.num_rows)  # [B]
             self._row_trial_steps = np.zeros(batch.num_rows, dtype=np.int64)  # [B] the call's steps with a trial
+            self._previous_ran = None  # whether the call's last step ran the drafter (calibration)
             self._bucket = row_bucket(batch.num_rows)  # the active rows' bucket at the last decision
             self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, self.max_draft_tokens,
                                                  prior=self.cold_start_rate, **self._estimator_options)
@@ -853,24 +866,36 @@ class GoodputPolicy(Policy):
             self._calibrate(records)
 
     def _calibrate(self, records: list[StepRecord]) -> None:
-        """One calibration sample per measured step of the interval (but a catch-up first step):
-        a plain one where no drafter ran (none asked, or every asked row capped by its budget),
-        a drafting one otherwise."""
+        """One calibration sample per measured step of the interval: a plain one where no
+        drafter ran (none asked, or every asked row capped by its budget), a drafting one
+        otherwise; but a catch-up first step, and a step of the other kind than the step before
+        it in the call (or the call's first), are not calibrated on. Both kinds of switch cost
+        more than the steps after them: the first plain step after drafting 1.5-1.6x at 16 and
+        64 rows (the second 1.01x), the first drafting step after 1-2 plain steps 1.43-1.47x at
+        every batch size, after more 2.9-3.5x (H100 run 21 and H200 run 22). Fed in, a plain
+        probe's median speed read drafting as 1.6x cheaper than its clean pairs (`mixed` b64, run
+        22: shape 1.22, about 2 from clean steps)."""
         step_time, decided = self._decision
         first = records[0]
         if self._catching_up and first.step_time_s and decided.any() and self._drafter_ran(first):
             # what the catch-up step cost beyond the drafting step it also was: the price of a switch-on
             predicted = float(self.calibration.apply(step_time, len(decided))(decided))
             self.calibration.observe_catch_up(self._decoding_s(first) - predicted)
-        plain, drafting = [], []
-        for record in records[int(self._catching_up):]:
+        plain, drafting, idle_steps = [], [], 0
+        for index, record in enumerate(records):
+            ran = self._drafter_ran(record)
+            switched, self._previous_ran = ran != self._previous_ran, ran  # a call's first step counts as switched
             if not record.step_time_s:
                 continue
-            (drafting if self._drafter_ran(record) else plain).append(self._decoding_s(record))
+            idle_steps += not ran and index >= int(self._catching_up)
+            if switched or index < int(self._catching_up):
+                self.calibration.unmeasured(len(decided), drafting=ran)
+            else:
+                (drafting if ran else plain).append(self._decoding_s(record))
         if plain:
             self.calibration.observe(step_time, np.zeros_like(decided), plain)
-            if self.reprobe_after:
-                self.calibration.idle(len(decided), self.reprobe_after, steps=len(plain))
+        if idle_steps and self.reprobe_after:
+            self.calibration.idle(len(decided), self.reprobe_after, steps=idle_steps)
         if drafting and decided.any():
             self.calibration.observe(step_time, decided, drafting)
 

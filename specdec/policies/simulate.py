@@ -28,7 +28,7 @@ import numpy as np
 
 from ..batch import BatchState
 from ..stats import StepRecord
-from ..types import VerifyCost
+from ..types import VerifyCost, is_int_at_least
 from .base import Policy
 
 
@@ -68,9 +68,14 @@ def replay_call(policy: Policy, agreement, max_new_tokens: int, step_time: Calla
     entries (the last is never drafted at); step_time as for simulate_call."""
     if isinstance(agreement, np.ndarray) and agreement.ndim == 2:
         agreement = list(agreement)
-    rows = [np.asarray(a, dtype=bool) for a in agreement]
-    if not rows or any(a.ndim != 1 for a in rows):
-        raise ValueError("agreement must be a non-empty list of 1-D bool sequences, one per row")
+    given = [np.asarray(a) for a in agreement]
+    if not given or any(a.ndim != 1 or not (a.dtype == bool or np.isin(a, (0, 1)).all()) for a in given):
+        raise ValueError("agreement must be a non-empty list of 1-D sequences of bools (or 0/1), one per row: "
+                         "whether the drafter's token at each position is the target's, not acceptance rates "
+                         "(simulate_call takes rates)")
+    if not is_int_at_least(max_new_tokens, 1):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    rows = [a.astype(bool) for a in given]
     short = [i for i, a in enumerate(rows) if len(a) < max_new_tokens]
     if short:
         raise ValueError(f"rows {short[:5]} record fewer than max_new_tokens={max_new_tokens} positions: "

@@ -415,6 +415,30 @@ def test_goodput_calibration_reads_a_slow_host_as_slow_not_as_dear_drafting():
     assert policy.calibration.extra_scale[4] == pytest.approx(1.0) and policy.calibration.base_scale[4] == pytest.approx(1.0)
 
 
+def test_goodput_calibration_leaves_out_the_steps_that_switch_between_drafting_and_plain():
+    """Drafting costs 3x what the model says (k = 4: 1.6 s against a plain 1 s); the first plain
+    step after a drafting one costs 1.6 s and the first drafting step after a plain one 1.44x
+    (both as the GPU runs 21 and 22 measured at 16 and 64 rows). The plain probe pairs the
+    drafting steps with its clean plain step only, so the shape reads 3; fed the switches, the
+    probe's median plain speed read 1.3 and the shape about 1.2."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
+    batch = BatchState([np.arange(10)] * 4, 1000, np.arange(4), np.zeros(0, dtype=np.int64))
+    state = {"previous": None}
+
+    def measured(asked):
+        drafting, previous = bool(asked.any()), state["previous"]
+        state["previous"] = drafting
+        seconds = 1.0 + 0.15 * int(asked.max())
+        if previous is not None and drafting != previous:
+            seconds = 1.6 if not drafting else 1.44 * seconds
+        return seconds
+
+    plans = _run_calibrated(policy, batch, 40, measured)
+    assert sum(p.max() == 0 for p in plans) == StepTimeCalibration.PROBE_STEPS and plans[-1].max() == 4
+    assert policy.calibration.extra_scale[4] == pytest.approx(3.0)
+
+
 def test_calibration_pairs_drafting_and_plain_steps_of_one_call_only():
     """The shape moves only on drafting and plain steps measured within PAIR_STEPS of each other
     in one call: plain steps of an earlier call pair with none; plain steps right after do, and

@@ -67,8 +67,10 @@ def test_replayed_calls_accept_the_recorded_runs_of_agreement():
     assert replay_call(FixedPolicy(8), [np.ones(12, dtype=bool)], 12, step_time).steps == 2  # 9 tokens, then the last 3
     with pytest.raises(ValueError, match="fewer than max_new_tokens"):
         replay_call(FixedPolicy(3), agreement, 13, step_time)
-    with pytest.raises(ValueError, match="agreement"):
-        replay_call(FixedPolicy(3), [], 12, step_time)
+    for bad in ([], [np.full(12, 0.8)], [np.ones((12, 2), dtype=bool)]):
+        with pytest.raises(ValueError, match="agreement"):
+            replay_call(FixedPolicy(3), bad, 12, step_time)
+    assert replay_call(FixedPolicy(3), [np.ones(12, dtype=int)], 12, step_time).steps == 3  # 0/1 reads as bools
 
 
 def test_posterior_samples_are_stratified_around_the_shrunk_rates():
