@@ -802,8 +802,8 @@ class GoodputPolicy(Policy):
             self._lengths = np.zeros_like(self._lengths)
             self.calibration.probed(len(active))
             # the probe's plain steps are not idleness: a row's drafter reads the PROBE_STEPS tokens it
-            # missed in its next drafting step, as after any plain step, so the return is no catch-up
-            # (neither priced as a switch-on nor left out of calibration)
+            # missed in its next drafting step, as after any plain step, so the return is not priced
+            # as a catch-up (_calibrate leaves it out as it does every switch)
             was_drafting = self._last_drafted == self._steps - 1
             self._last_drafted[was_drafting] = self._steps + StepTimeCalibration.PROBE_STEPS - CATCH_UP_STEPS
         self._asked = np.minimum(self._lengths, caps)  # [B] this interval's lengths
@@ -887,8 +887,9 @@ class GoodputPolicy(Policy):
             switched, self._previous_ran = ran != self._previous_ran, ran  # a call's first step counts as switched
             if not record.step_time_s:
                 continue
-            idle_steps += not ran and index >= int(self._catching_up)
-            if switched or index < int(self._catching_up):
+            catch_up = index == 0 and self._catching_up
+            idle_steps += not ran and not catch_up
+            if switched or catch_up:
                 self.calibration.unmeasured(len(decided), drafting=ran)
             else:
                 (drafting if ran else plain).append(self._decoding_s(record))

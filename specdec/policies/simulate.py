@@ -80,11 +80,11 @@ def replay_call(policy: Policy, agreement, max_new_tokens: int, step_time: Calla
     if short:
         raise ValueError(f"rows {short[:5]} record fewer than max_new_tokens={max_new_tokens} positions: "
                          "record longer decodings or ask for fewer new tokens")
+    agrees = np.stack([a[:max_new_tokens] for a in rows])  # [B, max_new_tokens]
     # [B, max_new_tokens + 1]: the run of agreements starting at each position (0 past the end)
     runs = np.zeros((len(rows), max_new_tokens + 1), dtype=np.int64)
-    for i, a in enumerate(rows):
-        for j in range(max_new_tokens - 1, -1, -1):
-            runs[i, j] = runs[i, j + 1] + 1 if a[j] else 0
+    for j in range(max_new_tokens - 1, -1, -1):
+        runs[:, j] = (runs[:, j + 1] + 1) * agrees[:, j]
 
     def accepted_run(generated: np.ndarray, drafted: np.ndarray) -> np.ndarray:
         at = np.minimum(generated, max_new_tokens)  # [B]
@@ -107,7 +107,7 @@ def _run_call(policy: Policy, num_rows: int, max_new_tokens: int, step_time: Cal
         plan = policy.plan(batch, 1)
         remaining = batch.remaining  # [B] 0 where finished
         drafted = np.where(batch.finished, 0, np.minimum(plan.num_draft_tokens, np.maximum(remaining - 1, 0)))  # [B]
-        accepted = accepted_run(batch.num_generated.copy(), drafted)  # [B] the run of accepted tokens
+        accepted = accepted_run(batch.num_generated, drafted)  # [B] the run of accepted tokens
         emitted = np.where(batch.finished, 0, np.minimum(accepted + 1, remaining))  # [B]
         seconds = float(step_time(batch.lengths[active], drafted[active]))
         record = StepRecord(result.steps, active, np.zeros(num_rows, dtype=np.int64), drafted, accepted, emitted,
