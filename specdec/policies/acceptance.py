@@ -23,6 +23,7 @@ conditional rates a_0, a_1, ..., E[tau](k) = 1 + sum_{j<k} prod_{i<=j} a_i.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Sequence
 
@@ -68,8 +69,8 @@ def rate_matching_tokens(steps_by_length, tokens_by_length, grid_points: int = 1
     target = float(np.sum(tokens_by_length))
     if steps.sum() <= 0:
         return float("nan")
-    rates = np.linspace(0.0, 1.0, grid_points)  # [G]
-    predicted = expected_emitted(rates[:, None], np.arange(len(steps))[None, :]) @ steps  # [G] non-decreasing in a
+    rates, table = _expected_emitted_grid(grid_points, len(steps))  # [G], [G, S]
+    predicted = table @ steps  # [G] non-decreasing in a
     above = int(np.searchsorted(predicted, target, side="left"))
     if above == 0:
         return 0.0
@@ -80,6 +81,16 @@ def rate_matching_tokens(steps_by_length, tokens_by_length, grid_points: int = 1
     return float(rates[above - 1] + fraction * (rates[above] - rates[above - 1]))
 
 
+@functools.lru_cache(maxsize=16)
+def _expected_emitted_grid(grid_points: int, num_lengths: int) -> tuple[np.ndarray, np.ndarray]:
+    """rate_matching_tokens' grid of rates [G] in [0, 1] and E[tau](s) at each [G, S] for s = 0..S-1
+    (read-only, cached: the same at every call)."""
+    rates = np.linspace(0.0, 1.0, grid_points)  # [G]
+    table = expected_emitted(rates[:, None], np.arange(num_lengths)[None, :])  # [G, S]
+    rates.flags.writeable = table.flags.writeable = False
+    return rates, table
+
+
 def add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a + b for 1-D arrays of different lengths, the shorter padded with zeros (counts by draft length)."""
     out = np.zeros(max(len(a), len(b)), dtype=np.result_type(a, b, np.float64))
@@ -88,10 +99,27 @@ def add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def _is_one_index(index) -> bool:
+    """Whether ``index`` is one integer (one drafter for every row) rather than one per row."""
+    return isinstance(index, (int, np.integer))
+
+
 def marginal_gains(position_rates: np.ndarray) -> np.ndarray:
     """[..., K] conditional rates -> [..., K] expected tokens the j-th draft token adds,
     prod_{i<=j} a_i (non-increasing in j, since every a_i <= 1)."""
     return np.cumprod(np.clip(position_rates, 0.0, 1.0), axis=-1)
+
+
+def iid_marginal_gains(rate, max_draft_tokens: int) -> np.ndarray:
+    """marginal_gains(iid_rates(rate, K)) without repeating the rates: [...] -> [..., K], gain j
+    = a^(j+1), multiplied out position by position (the products np.cumprod forms, in its order)."""
+    rate = np.clip(np.asarray(rate, dtype=np.float64), 0.0, 1.0)
+    gains = np.empty((max_draft_tokens,) + rate.shape)  # [K, ...]: each position's gains in one block
+    if max_draft_tokens:
+        gains[0] = rate
+    for position in range(1, max_draft_tokens):
+        np.multiply(gains[position - 1], rate, out=gains[position])
+    return gains.transpose(tuple(range(1, gains.ndim)) + (0,))  # [..., K]
 
 
 def expected_emitted_table(position_rates: np.ndarray) -> np.ndarray:
@@ -166,6 +194,8 @@ class AcceptanceEstimator:
 
     def rate(self, drafter_index) -> np.ndarray:
         """[B] pooled per-token acceptance (the i.i.d. alpha) for each row's drafter."""
+        if self.mode == "ema" and _is_one_index(drafter_index):
+            return self._rate[:, drafter_index].copy()
         d = np.broadcast_to(np.asarray(drafter_index, dtype=np.int64), (self.num_rows,))
         rows = np.arange(self.num_rows)
         if self.mode == "ema":
@@ -176,6 +206,8 @@ class AcceptanceEstimator:
 
     def coverage(self, drafter_index) -> np.ndarray:
         """[B] fraction of asked steps in which the row's drafter proposed at least one token."""
+        if self.mode == "ema" and _is_one_index(drafter_index):
+            return self._coverage[:, drafter_index].copy()
         d = np.broadcast_to(np.asarray(drafter_index, dtype=np.int64), (self.num_rows,))
         rows = np.arange(self.num_rows)
         if self.mode == "ema":
@@ -285,7 +317,7 @@ class AcceptanceEstimator:
         the prior."""
         rows = np.asarray(rows, dtype=np.int64)
         weight = np.asarray(weight, dtype=np.float64)
-        if len(rows) == 0 or np.all(weight <= 0):
+        if len(rows) == 0 or (weight <= 0).all():
             return
         if self.mode == "window" and weight.ndim:
             raise ValueError("the window estimator relaxes every row by one weight")
@@ -334,26 +366,30 @@ class StepCounts:
     def add_steps(self, records: list[StepRecord], asked: np.ndarray) -> None:
         """Several steps planned with the same lengths ``asked`` [B], at once ([n, B] arrays).
         A row that took no part in a step (finished) counts nothing for it."""
+        rows = [np.asarray(record.rows, dtype=np.int64) for record in records]  # each step's [A]
         taking_part = np.zeros((len(records), len(self.successes)), dtype=bool)  # [n, B]
-        for i, record in enumerate(records):
-            taking_part[i, record.rows] = True
-        drafted = np.where(taking_part, np.stack([r.num_drafted for r in records]), 0)  # [n, B]
-        accepted = np.where(taking_part, np.minimum(np.stack([r.num_accepted for r in records]), drafted), 0)
-        emitted = np.stack([r.num_emitted for r in records])  # [n, B]
+        taking_part[np.repeat(np.arange(len(records)), [len(r) for r in rows]), np.concatenate(rows)] = True
+        # np.array of the steps' [B] arrays is np.stack's [n, B], without its per-array checks
+        drafted = np.where(taking_part, np.array([r.num_drafted for r in records]), 0)  # [n, B]
+        accepted = np.where(taking_part, np.minimum(np.array([r.num_accepted for r in records]), drafted), 0)
+        emitted = np.array([r.num_emitted for r in records])  # [n, B]
         rejected = (accepted < drafted) & (emitted > accepted)  # a real rejection, not a cut-short step
         trials = accepted + rejected  # [n, B]
-        was_asked = taking_part & (np.asarray(asked)[None, :] > 0)  # [n, B]
+        proposing = drafted > 0  # [n, B] (drafted is 0 where the row took no part)
+        # a row asked to draft was asked in every step it took part in, or in none
+        asked_row = np.asarray(asked) > 0  # [B]
+        took_part = taking_part.sum(axis=0)  # [B] steps
         self.successes += accepted.sum(axis=0)
         self.trials += trials.sum(axis=0)
         self.trial_steps += (trials > 0).sum(axis=0)
-        self.asked_steps += was_asked.sum(axis=0)
-        self.proposed_steps += (was_asked & (drafted > 0)).sum(axis=0)
-        self.idle_steps += (taking_part & ~was_asked).sum(axis=0)
-        whole = taking_part & (drafted > 0) & (emitted == accepted + 1)  # [n, B] judged to the end
+        self.asked_steps += np.where(asked_row, took_part, 0)
+        self.proposed_steps += np.where(asked_row, proposing.sum(axis=0), 0)
+        self.idle_steps += np.where(asked_row, 0, took_part)
+        whole = proposing & (emitted == accepted + 1)  # [n, B] judged to the end
         if whole.any():
-            self.length_steps = add_padded(self.length_steps, np.bincount(drafted[whole]))
-            self.length_tokens = add_padded(self.length_tokens,
-                                            np.bincount(drafted[whole], weights=emitted[whole].astype(np.float64)))
+            lengths = drafted[whole]  # [W] each such row-step's draft length
+            self.length_steps = add_padded(self.length_steps, np.bincount(lengths))
+            self.length_tokens = add_padded(self.length_tokens, np.bincount(lengths, weights=emitted[whole].astype(np.float64)))
         self.steps += len(records)
 
 

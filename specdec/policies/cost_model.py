@@ -81,15 +81,22 @@ class LinearTimeModel:
     def coefficient(self, name: str) -> float:
         return float(self.coefficients[self.features.index(name)])
 
+    def terms(self) -> dict[str, float]:
+        """Feature name -> its coefficient (seconds per unit, as Python floats)."""
+        return dict(zip(self.features, self.coefficients.tolist()))
+
     def predict(self, values: Mapping[str, object]):
-        """Time for feature values (scalars or arrays that broadcast; "fixed" is implied)."""
+        """Time for feature values (scalars or arrays that broadcast; "fixed" is implied). A
+        Python number is used as it is (the same float64 arithmetic as a 0-d array)."""
         total = 0.0
-        for name, coefficient in zip(self.features, self.coefficients):
+        for name, coefficient in zip(self.features, self.coefficients.tolist()):
             if coefficient == 0.0:
                 continue
-            value = 1.0 if name == "fixed" else np.asarray(values[name], dtype=np.float64)
+            value = 1.0 if name == "fixed" else values[name]
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                value = np.asarray(value, dtype=np.float64)
             total = total + coefficient * value
-        return total
+        return np.float64(total) if isinstance(total, float) else total
 
     @classmethod
     def fit(cls, features: Sequence[str], matrix: np.ndarray, times_s: np.ndarray,

@@ -93,6 +93,7 @@ Invariant: the policy changes only how many tokens are drafted; output is the ta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ from .acceptance import (
     StepCounts,
     add_padded,
     expected_emitted,
+    iid_marginal_gains,
     marginal_gains,
     rate_matching_tokens,
 )
@@ -179,8 +181,15 @@ class LearnedPrior:
         if self.steps.sum() > 0:
             pseudo = np.zeros_like(self.steps)
             pseudo[PRIOR_LENGTH] = PRIOR_ROW_STEPS
-            prior_tokens = PRIOR_ROW_STEPS * float(expected_emitted(self.given, PRIOR_LENGTH))
+            prior_tokens = _prior_pseudo_tokens(self.given)
             self._rate = rate_matching_tokens(self.steps + pseudo, self.tokens.sum() + prior_tokens)
+
+
+@functools.lru_cache(maxsize=16)
+def _prior_pseudo_tokens(prior: float) -> float:
+    """LearnedPrior: the tokens its given prior's PRIOR_ROW_STEPS pseudo row-steps at PRIOR_LENGTH
+    emitted, E[tau](PRIOR_LENGTH; prior) each (cached: the same at every call)."""
+    return PRIOR_ROW_STEPS * float(expected_emitted(prior, PRIOR_LENGTH))
 
 
 @dataclass
@@ -198,8 +207,9 @@ class LinearStepTime:
     def __call__(self, k: np.ndarray) -> np.ndarray:
         """k: [..., A] -> [...] seconds."""
         k = np.asarray(k)
-        drafting = (k > 0).any(axis=-1)
-        per_row = (self.row_cost * (k > 0) + self.token_cost * k).sum(axis=-1)
+        on = k > 0  # [..., A]
+        drafting = on.any(axis=-1)
+        per_row = (self.row_cost * on + self.token_cost * k).sum(axis=-1)
         return self.base + per_row + drafting * (self.draft_fixed + self.depth_cost * k.max(axis=-1, initial=0))
 
     def extra(self, k: np.ndarray) -> np.ndarray:
@@ -220,11 +230,10 @@ class LinearStepTime:
         with drafter ``drafter_index``."""
         lengths = np.asarray(lengths, dtype=np.float64)
         num_rows = len(lengths)
-        target = dict(zip(cost_model.target.features, cost_model.target.coefficients))
-        drafter = dict(zip(cost_model.drafters[drafter_index].features, cost_model.drafters[drafter_index].coefficients)) \
-            if drafter_index < cost_model.num_drafters else None
-        if drafter is None:
+        if not drafter_index < cost_model.num_drafters:
             raise ValueError(f"the cost model times {cost_model.num_drafters} drafter(s), not drafter {drafter_index}")
+        target = cost_model.target.terms()
+        drafter = cost_model.drafters[drafter_index].terms()
         base = float(cost_model.target_time(num_rows, lengths.sum(), num_rows))
         token_cost = target["tokens"] + target["kv_tokens"] + drafter["tokens"] + drafter["kv_tokens"] * lengths
         row_cost = drafter["rows"] + drafter["context_tokens"] * lengths
@@ -235,7 +244,15 @@ class LinearStepTime:
 
 def _cumulative_gains(gains: np.ndarray) -> np.ndarray:
     """[..., A, K] gains -> [..., A, K+1] the expected tokens each length 0..K adds beyond the one emitted."""
-    return np.concatenate([np.zeros(gains.shape[:-1] + (1,)), np.cumsum(gains, axis=-1)], axis=-1)
+    cumulative = np.zeros(gains.shape[:-1] + (gains.shape[-1] + 1,))
+    np.cumsum(gains, axis=-1, out=cumulative[..., 1:])  # in place: no concatenation
+    return cumulative
+
+
+def _per_row(value, num_rows: int) -> np.ndarray:
+    """[A] float64: ``value`` as it is where it holds one value per row, else broadcast (one for all rows)."""
+    value = np.asarray(value, dtype=np.float64)
+    return value if value.shape == (num_rows,) else np.broadcast_to(value, (num_rows,))
 
 
 def _uniform_lengths(caps: np.ndarray, max_k: int) -> np.ndarray:
@@ -246,6 +263,7 @@ def _uniform_lengths(caps: np.ndarray, max_k: int) -> np.ndarray:
 def _shortest_best(values: np.ndarray, tolerance: float) -> int:
     """The index of the largest of ``values`` [K+1], the first one unless a later one beats it by
     the relative ``tolerance`` (the shortest of the best lengths)."""
+    values = np.asarray(values).tolist()  # Python floats: the same comparisons, without numpy scalars
     best = 0
     for length in range(1, len(values)):
         if values[length] > values[best] * (1 + tolerance):
@@ -255,11 +273,21 @@ def _shortest_best(values: np.ndarray, tolerance: float) -> int:
 
 def _numerator(gains: np.ndarray, k: np.ndarray) -> float:
     """sum_i E[tau_i](k_i) with gains [A, K]."""
-    return float(len(k) + _cumulative_gains(gains)[np.arange(len(k)), k].sum())
+    return _numerator_of(_cumulative_gains(gains), k)
+
+
+def _numerator_of(cumulative: np.ndarray, k: np.ndarray) -> float:
+    """sum_i E[tau_i](k_i) with the cumulative gains [A, K+1] (_cumulative_gains)."""
+    return float(len(k) + cumulative[np.arange(len(k)), k].sum())
 
 
 def goodput_of(gains: np.ndarray, k: np.ndarray, step_time: LinearStepTime) -> float:
-    return _numerator(gains, np.asarray(k, dtype=np.int64)) / float(step_time(np.asarray(k)))
+    return _goodput_of(_cumulative_gains(gains), k, step_time)
+
+
+def _goodput_of(cumulative: np.ndarray, k: np.ndarray, step_time: LinearStepTime) -> float:
+    """goodput_of with the cumulative gains [A, K+1] (_cumulative_gains), computed once per decision."""
+    return _numerator_of(cumulative, np.asarray(k, dtype=np.int64)) / float(step_time(np.asarray(k)))
 
 
 def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12,
@@ -270,20 +298,26 @@ def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime,
     choice to begin from (the last decision's): every depth's iteration starts at the best of its
     goodput and plain decoding's, a lower bound of the optimum, so a good start saves iterations
     (a depth whose optimum lies below it stops at once, and cannot be the argmax)."""
+    return _search_exact(gains, _cumulative_gains(gains), caps, step_time, tolerance, start)
+
+
+def _search_exact(gains: np.ndarray, cumulative: np.ndarray, caps: np.ndarray, step_time: LinearStepTime,
+                  tolerance: float = 1e-12, start: np.ndarray | None = None, plain: float | None = None) -> np.ndarray:
+    """search_exact with the cumulative gains [A, K+1] (_cumulative_gains) and, where the caller
+    has it, plain decoding's goodput G(0) (choose_lengths computes both once per decision)."""
     num_rows, max_k = gains.shape
     best_k = np.zeros(num_rows, dtype=np.int64)
-    best = goodput_of(gains, best_k, step_time)
+    best = _goodput_of(cumulative, best_k, step_time) if plain is None else plain
     if start is not None:
         start = np.minimum(np.asarray(start, dtype=np.int64), np.minimum(caps, max_k))
-        started = goodput_of(gains, start, step_time)
+        started = _goodput_of(cumulative, start, step_time)
         if started > best:
             best, best_k = started, start
     max_depth = min(max_k, int(caps.max(initial=0)))
     if max_depth < 1:
         return best_k
-    cumulative = _cumulative_gains(gains)  # [A, K+1]
     lengths = np.arange(max_k + 1)
-    start_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))  # [A]
+    start_cost = _per_row(step_time.row_cost, num_rows)  # [A]
     row_cost = np.where(lengths > 0, start_cost[:, None], 0.0) + step_time.token_cost[:, None] * lengths  # [A, K+1]
     depths = np.arange(1, max_depth + 1)  # [M]
     allowed = lengths[None, None, :] <= np.minimum(caps[None, :], depths[:, None])[:, :, None]  # [M, A, K+1]
@@ -302,10 +336,11 @@ def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime,
             break
         ratio = np.where(running, new_ratio, ratio)
     # the achieved goodput of each depth's choice (its max k may be below the depth: true time is lower)
-    achieved = (num_rows + cumulative[rows, chosen].sum(axis=1)) / step_time(chosen)  # [M]
+    achieved = ((num_rows + cumulative[rows, chosen].sum(axis=1)) / step_time(chosen)).tolist()  # [M]
+    drafts = chosen.any(axis=1).tolist()  # [M]
     for m in range(len(depths)):
-        if chosen[m].any() and achieved[m] > best * (1 + tolerance):
-            best, best_k = float(achieved[m]), chosen[m]
+        if drafts[m] and achieved[m] > best * (1 + tolerance):
+            best, best_k = achieved[m], chosen[m]
     return best_k.copy()
 
 
@@ -359,6 +394,8 @@ def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, r
     caps = np.minimum(np.asarray(caps, dtype=np.int64), max_k)  # [A]
     k = _uniform_lengths(caps, max_k)  # [K+1, A]
     rows = np.arange(num_rows)
+    # numpy lays this out lengths, rows, then samples in memory, which sets the order in which the
+    # sums over rows below add (and so the predictions' last bits): keep it
     emitted = 1.0 + _cumulative_gains(gains)[..., rows[None, :], k]  # [..., K+1, A] E[tau_i](k_i)
     steps = np.asarray(remaining, dtype=np.float64) / emitted  # [..., K+1, A] each row's steps to its finish
     # with a row's steps s_i, the stretches between finishing points add up, term by term, to:
@@ -366,15 +403,15 @@ def call_times(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, r
     # the drafter's depth-d pass for as long as a row drafting >= d tokens is active
     row_base = np.zeros(num_rows) if step_time.row_base is None else np.asarray(step_time.row_base, dtype=np.float64)
     fixed_base = step_time.base - row_base.sum()
-    row_cost = np.broadcast_to(np.asarray(step_time.row_cost, dtype=np.float64), (num_rows,))
-    token_cost = np.broadcast_to(np.asarray(step_time.token_cost, dtype=np.float64), (num_rows,))
+    row_cost, token_cost = _per_row(step_time.row_cost, num_rows), _per_row(step_time.token_cost, num_rows)  # [A]
     per_row = row_base[None, :] + row_cost[None, :] * (k > 0) + token_cost[None, :] * k  # [K+1, A]
-    seconds = fixed_base * steps.max(axis=-1) + (per_row * steps).sum(axis=-1)  # [..., K+1]
     # rows drafting >= d tokens at uniform length l: those of cap >= d, if l >= d; the longest of
-    # their steps from a running maximum over the rows in order of decreasing cap
+    # their steps from a running maximum over the rows in order of decreasing cap (whose last
+    # entry is the slowest row's steps)
     depths = np.arange(1, max_k + 1)  # [D]
     by_cap = np.argsort(-caps, kind="stable")  # [A]
     running_max = np.maximum.accumulate(steps[..., by_cap], axis=-1)  # [..., K+1, A]
+    seconds = fixed_base * running_max[..., -1] + (per_row * steps).sum(axis=-1)  # [..., K+1]
     capable = (caps[None, :] >= depths[:, None]).sum(axis=1)  # [D] rows of cap >= d
     longest = np.where(capable > 0, running_max[..., np.maximum(capable - 1, 0)], 0.0)  # [..., K+1, D]
     longest = longest * (np.arange(max_k + 1)[:, None] >= depths[None, :])  # [..., K+1, D] only where l >= d
@@ -424,11 +461,15 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
         return np.minimum(caps, best).astype(np.int64), chosen, plain
     if switch_cost_s > 0:
         step_time = dataclasses.replace(step_time, draft_fixed=step_time.draft_fixed + switch_cost_s / switch_steps)
-    plain = goodput_of(gains, zeros, step_time)
+    cumulative = _cumulative_gains(gains)  # [A, K+1]
+    plain = _goodput_of(cumulative, zeros, step_time)
     if len(caps) == 0 or caps.max() <= 0:
         return zeros, plain, plain
-    k = search_exact(gains, caps, step_time, start=start) if search == "exact" else SEARCH_FUNCTIONS[search](gains, caps, step_time)
-    chosen = goodput_of(gains, k, step_time)
+    if search == "exact":
+        k = _search_exact(gains, cumulative, caps, step_time, start=start, plain=plain)
+    else:
+        k = SEARCH_FUNCTIONS[search](gains, caps, step_time)
+    chosen = _goodput_of(cumulative, k, step_time)
     if chosen < (1.0 + min_gain) * plain:
         return zeros, plain, plain
     return k, chosen, plain
@@ -463,10 +504,19 @@ def posterior_rate_samples(successes: np.ndarray, trials: np.ndarray, prior_rate
     successes, trials = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
     mean = shrunk_rates(successes, trials, prior_rate, prior_trials)  # [B]
     spread = np.sqrt(mean * (1.0 - mean) / (trials + prior_trials + 1.0))  # [B]
+    return np.clip(mean[None, :] + spread[None, :] * _stratified_levels(len(mean), samples), 0.005, 0.995)
+
+
+@functools.lru_cache(maxsize=16)
+def _stratified_levels(num_rows: int, samples: int) -> np.ndarray:
+    """[J, B] (read-only, cached: the same for every decision of a call) the standard normal
+    quantile of row i in sample j of posterior_rate_samples: level (i + j) mod J of the J levels
+    (l + 0.5) / J."""
     levels = scipy.special.ndtri((np.arange(samples) + 0.5) / samples)  # [J] standard normal quantiles
-    rows = np.arange(len(mean))
+    rows = np.arange(num_rows)
     level = levels[(rows[None, :] + np.arange(samples)[:, None]) % samples]  # [J, B]
-    return np.clip(mean[None, :] + spread[None, :] * level, 0.005, 0.995)
+    level.flags.writeable = False
+    return level
 
 
 def row_bucket(num_rows: int) -> int:
@@ -556,9 +606,14 @@ class StepTimeCalibration:
         speed = self.base_scale.get(bucket, 1.0)
         return step_time.calibrated(speed, speed * self.extra_scale.get(bucket, 1.0))
 
-    def _add(self, samples: dict, scales: dict, bucket: int, sample: float) -> None:
+    def _add(self, samples: dict, scales: dict, bucket: int, new_samples: list[float]) -> None:
+        """Append ``new_samples`` to the bucket's last WINDOW samples; its scale becomes their median
+        once it holds MIN_SAMPLES (as adding them one by one would leave it: nothing reads the scale
+        in between). None: nothing changes (no window is made for the bucket)."""
+        if not new_samples:
+            return
         held = samples.setdefault(bucket, deque(maxlen=self.WINDOW))
-        held.append(sample)
+        held.extend(new_samples)
         if len(held) >= self.MIN_SAMPLES:
             scales[bucket] = statistics.median(held)
 
@@ -600,19 +655,21 @@ class StepTimeCalibration:
         base = step_time.base
         if base <= 0:
             return
-        drafting = bool(np.any(k))
+        drafting = bool(k.any())
         extra = float(step_time.extra(k)) if drafting else 0.0
         predicted = base + self.extra_scale.get(bucket, 1.0) * extra
+        speeds = []  # measured / predicted of each step
         for seconds in measured_s:
             self._clock += 1
             self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
             if seconds <= 0:
                 continue
-            self._add(self._base_samples, self.base_scale, bucket, seconds / predicted)
+            speeds.append(seconds / predicted)
             if extra > 0:
                 self._drafting.setdefault(bucket, deque(maxlen=self.WINDOW)).append([self._clock, seconds, base, extra, False])
             elif not drafting:
                 self._plain.setdefault(bucket, deque(maxlen=self.PAIR_STEPS + 1)).append((self._clock, seconds / base))
+        self._add(self._base_samples, self.base_scale, bucket, speeds)
         if drafting:
             self._idle[bucket] = 0
         self._pair(bucket)
@@ -621,6 +678,7 @@ class StepTimeCalibration:
         """Shape samples from the bucket's drafting steps that have plain steps within PAIR_STEPS."""
         plain = self._plain.get(bucket, ())
         low, high = self.EXTRA_CLIP
+        shapes = []
         for sample in self._drafting.get(bucket, ()):
             clock, seconds, base, extra, paired = sample
             if paired:
@@ -628,8 +686,9 @@ class StepTimeCalibration:
             near = [ratio for at, ratio in plain if abs(at - clock) <= self.PAIR_STEPS]
             if near:
                 shape = (seconds / statistics.median(near) - base) / extra
-                self._add(self._extra_samples, self.extra_scale, bucket, min(max(shape, low), high))
+                shapes.append(min(max(shape, low), high))
                 sample[4] = True
+        self._add(self._extra_samples, self.extra_scale, bucket, shapes)
 
     def _plain_speed(self, bucket: int) -> float:
         """The recent plain steps' measured / predicted: the bucket's (its last MIN_SAMPLES), else
@@ -787,16 +846,17 @@ class GoodputPolicy(Policy):
     def _decide_interval(self, batch) -> Plan:
         """A decision: lengths for the active rows, kept (capped by each row's budget, which
         generate() applies each step) until the next one; the steps in between cost nothing."""
-        caps = np.minimum(self.max_draft_tokens, np.maximum(batch.remaining - 1, 0))
+        remaining = np.asarray(batch.remaining)  # [B]
+        caps = np.minimum(self.max_draft_tokens, np.maximum(remaining - 1, 0))
         active = batch.active_rows()
         self._bucket = row_bucket(len(active))  # a change of bucket (rows finishing) brings the next decision forward
         np.minimum(self._last_drafted, self._steps - 1, out=self._last_drafted)  # an interval cut short drafted until now
         step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index) \
             if len(active) else None
-        self._lengths = self._decide(active, caps, step_time, np.asarray(batch.remaining))
+        self._lengths = self._decide(active, caps, step_time, remaining)
         # drafting measured with no plain step beside it and read far off the model's shape: a few
         # plain steps first, so the calibration can tell a slow host from dear drafting
-        probing = bool(self.calibration is not None and np.any(self._lengths[active] > 0)
+        probing = bool(self.calibration is not None and (self._lengths[active] > 0).any()
                        and self.calibration.wants_plain_probe(len(active)))
         if probing:
             self._lengths = np.zeros_like(self._lengths)
@@ -810,7 +870,7 @@ class GoodputPolicy(Policy):
         asked = self._asked > 0
         # a row switched on after more than CATCH_UP_STEPS idle steps makes the interval's first
         # step a catch-up (not calibrated on); the rows asked draft in every step of the interval
-        self._catching_up = bool(np.any(asked & (self._steps - self._last_drafted > CATCH_UP_STEPS)))
+        self._catching_up = bool((asked & (self._steps - self._last_drafted > CATCH_UP_STEPS)).any())
         # drafting where the calibration holds too few measurements (a new bucket, or a re-probe
         # after reprobe_after idle steps): decide again as soon as they exist, not decide_every
         # steps later, so a probe of speculation that does not pay stays short
@@ -882,8 +942,7 @@ class GoodputPolicy(Policy):
             predicted = float(self.calibration.apply(step_time, len(decided))(decided))
             self.calibration.observe_catch_up(self._decoding_s(first) - predicted)
         plain, drafting, idle_steps = [], [], 0
-        for index, record in enumerate(records):
-            ran = self._drafter_ran(record)
+        for index, (record, ran) in enumerate(zip(records, self._drafters_ran(records))):
             switched, self._previous_ran = ran != self._previous_ran, ran  # a call's first step counts as switched
             if not record.step_time_s:
                 continue
@@ -913,6 +972,14 @@ class GoodputPolicy(Policy):
     def _drafter_ran(record: StepRecord) -> bool:
         wall = record.drafter_wall_s
         return bool(wall.sum() > 0) if wall is not None else bool(record.num_drafted.any())
+
+    @classmethod
+    def _drafters_ran(cls, records: list[StepRecord]) -> list[bool]:
+        """_drafter_ran of each record; at once where every record times its drafters alike ([n, D])."""
+        walls = [record.drafter_wall_s for record in records]
+        if any(wall is None for wall in walls) or len({wall.shape for wall in walls}) != 1:
+            return [cls._drafter_ran(record) for record in records]
+        return (np.array(walls).reshape(len(walls), -1).sum(axis=1) > 0).tolist()
 
     @property
     def finish_prior_trials(self) -> float:
@@ -954,21 +1021,21 @@ class GoodputPolicy(Policy):
             return lengths
         coverage = self.estimator.coverage(self.drafter_index)[active]  # [A]
         if self.per_position:
-            rates = self.estimator.position_rates(self.drafter_index)[active]  # [A, K]
+            gains = marginal_gains(self.estimator.position_rates(self.drafter_index)[active])  # [A, K]
         elif self.search == "finish":  # samples of the batch: [J, A]
             rates = posterior_rate_samples(self._row_successes, self._row_trials, self.cold_start_rate,
                                            self.finish_row_prior_trials(), self.finish_rate_samples)[:, active]
-            rates = np.repeat(rates[..., None], self.max_draft_tokens, axis=-1)  # [J, A, K]
+            gains = iid_marginal_gains(rates, self.max_draft_tokens)  # [J, A, K]
         else:
-            rates = np.repeat(self._row_rates(active)[:, None], self.max_draft_tokens, axis=1)
-        gains = marginal_gains(rates) * coverage[:, None]  # [A, K] or [J, A, K]
+            gains = iid_marginal_gains(self._row_rates(active), self.max_draft_tokens)  # [A, K]
+        gains = gains * coverage[:, None]  # [A, K] or [J, A, K]
         if self.calibration is not None:
             step_time = self.calibration.apply(step_time, len(active))
         row_caps, row_remaining = caps[active], remaining[active]
         options = {"search": self.search, "min_gain": self.min_gain, "start": self._lengths[active], "remaining": row_remaining}
         switch_cost = self.calibration.catch_up_s if self.calibration is not None else 0.0
-        idle = self._steps - self._last_drafted[active]  # [A]
-        returning = (self._last_drafted[active] >= 0) & (idle > CATCH_UP_STEPS) & (row_caps > 0)  # [A]
+        last_drafted = self._last_drafted[active]  # [A]
+        returning = (last_drafted >= 0) & (self._steps - last_drafted > CATCH_UP_STEPS) & (row_caps > 0)  # [A]
         if switch_cost > 0 and returning.any():
             horizon = int(max(1, min(max(self.decide_every, CATCH_UP_HORIZON), row_remaining.max())))
             with_returning = choose_lengths(gains, row_caps, step_time, switch_cost_s=switch_cost, switch_steps=horizon,
