@@ -101,7 +101,7 @@ def add_padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _is_one_index(index) -> bool:
     """Whether ``index`` is one integer (one drafter for every row) rather than one per row."""
-    return isinstance(index, (int, np.integer))
+    return isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_))
 
 
 def marginal_gains(position_rates: np.ndarray) -> np.ndarray:
