@@ -24,7 +24,13 @@ differed from plain decoding in 29 of 64 rows, k = 6 (bucket 512) in none. ``--c
 tries the next suspects, the compiled variant of the first bucket traced (the largest):
 ``library`` as is; ``ascending`` runs every bucket once, smallest first, before the capture;
 ``odd-first`` traces a size no bucket has (the largest bucket less one) first.
-``--log-recompiles`` prints why Dynamo compiled each further variant.
+``--log-recompiles`` prints why Dynamo compiled each further variant. ``--bucket-logits`` is the
+direct test: after the decode probe, the same pass (64 rows of 7 tokens, 448 tokens; and 1 row of
+7) replayed through every bucket of the runner that holds it, its logits compared bitwise with the
+smallest such bucket's (the fraction of logits and of argmaxes that differ, per bucket). Written
+after session 19's device time ran out, it has not run yet. On the CPU,
+an HF Llama compiled with ``dynamic=True`` served sizes 64 down to 2 with one graph and recompiled
+only for size 1, so a variant of the largest bucket's own is not a given.
 
     python scripts/bf16_shape_probe.py --reduced-precision-reduction off --out /tmp/probe_off.json
     python scripts/bf16_shape_probe.py --compile --capture-order odd-first --lengths 6,8 --out /tmp/odd.json
@@ -90,6 +96,35 @@ def set_capture_order(order: str) -> None:
     GraphedForward._capture_all = capture_all
 
 
+@torch.inference_mode()
+def bucket_logits(target, rows: int, tokens_per_row: int) -> dict:
+    """One pass of ``rows`` x ``tokens_per_row`` tokens replayed through each bucket of the
+    target's runner that can hold it -> {bucket: {"logits": fraction differing bitwise from the
+    smallest bucket's, "argmax": fraction of tokens whose argmax differs}}."""
+    from specdec.runner import runners_of
+
+    runner = runners_of(target)["target"]
+    graphs = runner.graphs
+    counts = np.full(rows, tokens_per_row, dtype=np.int64)
+    num_tokens = int(counts.sum())
+    starts = np.full(rows, 200, dtype=np.int64)  # positions 200..: inside every row's cache
+    row_ids = np.arange(rows, dtype=np.int64)
+    input_ids = torch.randint(0, runner.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(1)).to(runner.device)
+    found, first = {}, None
+    with runner.attached():
+        for bucket in (b for b in graphs.buckets if b >= num_tokens):
+            graphs._fill(input_ids, row_ids, starts, counts, bucket)
+            graph, logits = graphs.graphs[bucket]
+            graph.replay()
+            logits = logits[:num_tokens].float().clone()  # [N, V]
+            if first is None:
+                first = logits
+            found[bucket] = {"logits": float(logits.ne(first).float().mean()),
+                             "argmax": float(logits.argmax(-1).ne(first.argmax(-1)).float().mean())}
+    torch.cuda.synchronize()
+    return found
+
+
 def gemm_probe(device: str, dtype: torch.dtype) -> dict:
     """Fraction of row 0's outputs that differ bitwise from the 1-row product, per M and shape."""
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -145,6 +180,7 @@ def decode_probe(device: str, dtype: torch.dtype, lengths: list[int], batch_size
                                         "rows": count}
             print(f"b{batch} k={k}: agreement {agreed / (count * new_tokens):.4f}, {diverged}/{count} rows diverged",
                   flush=True)
+    found["_target"] = target
     return found
 
 
@@ -160,6 +196,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--capture-order", choices=("library", "ascending", "odd-first"), default="library")
     parser.add_argument("--log-recompiles", action="store_true")
+    parser.add_argument("--bucket-logits", action="store_true", help="also replay one pass through every bucket (CUDA)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -175,9 +212,15 @@ def main() -> None:
     result["gemm"] = gemm_probe(args.device, dtype)
     for shape, by_m in result["gemm"].items():
         print(shape, " ".join(f"{m}:{v:.3f}" for m, v in by_m.items()), flush=True)
-    result["decode"] = decode_probe(args.device, dtype, [int(k) for k in args.lengths.split(",")],
+    result["decode"] = decode = decode_probe(args.device, dtype, [int(k) for k in args.lengths.split(",")],
                                     [int(b) for b in args.batch_sizes.split(",")], args.prompts, args.new_tokens,
                                     graphs=args.device == "cuda", compile=args.compile)
+    result["_target"] = decode.pop("_target")
+    if args.bucket_logits:
+        target = result.pop("_target")
+        result["bucket_logits"] = {f"{rows}x7": bucket_logits(target, rows, 7) for rows in (64, 1)}
+        print("bucket logits", result["bucket_logits"], flush=True)
+    result.pop("_target", None)
     result["seconds"] = time.perf_counter() - started
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=1)
