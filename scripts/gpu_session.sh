@@ -32,6 +32,8 @@
 #             (`--workloads mixed --time-limit-s 140`) in the 5 minutes it thought were left.
 #             Merge with `python -m specdec bench --policies --merge` (a part cut by its time limit
 #             lists its skipped cells)
+#   tieprobe  scripts/bf16_shape_probe.py --compile --bucket-logits --log-recompiles for each capture
+#             order in $PROBE_ORDERS (default: library odd-first ascending); needs no zoo
 #   demo      python -m specdec demo --preset gpu --device cuda
 #   noise     scripts/noise_probe.py: identical passes timed default, pinned, one thread, GPU warmed
 #             (about 1.5 minutes after the zoo build)
@@ -106,5 +108,14 @@ policies_part() {
 [[ " $PARTS " =~ " p4c " ]] && policies_part b4_continuation --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1 --workloads continuation
 [[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s ${P1_LIMIT_S:-400} --profile-prompts 8 --profile-repeats 2
 [[ " $PARTS " =~ " p1m " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 140 --profile-prompts 8 --profile-repeats 2 --workloads mixed
+# the bf16 near-tie probe (BENCHMARKS run 23): a random gpu-shaped target, no zoo; about 2 minutes a capture order
+if [[ " $PARTS " =~ " tieprobe " ]]; then
+  for order in ${PROBE_ORDERS:-library odd-first ascending}; do
+    timeout 200 env PYTHONPATH=. python3 scripts/bf16_shape_probe.py --compile --lengths 6,7,8 --batch-sizes 64,32 \
+      --bucket-logits --log-recompiles --capture-order "$order" --out "$OUT/bf16_probe_$order.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/bf16_probe_$order.log" | grep -E "^b[0-9]|bucket logits|Recompiling|triggered|wrote"
+    pack
+  done
+fi
 [[ " $PARTS " =~ " demo " ]] && $RUN -m specdec demo --preset gpu --device cuda --json "$OUT/demo_gpu.json" 2>&1 | quiet | tee "$OUT/demo_gpu.log"; pack
 exit 0
