@@ -271,11 +271,6 @@ def _shortest_best(values: np.ndarray, tolerance: float) -> int:
     return best
 
 
-def _numerator(gains: np.ndarray, k: np.ndarray) -> float:
-    """sum_i E[tau_i](k_i) with gains [A, K]."""
-    return _numerator_of(_cumulative_gains(gains), k)
-
-
 def _numerator_of(cumulative: np.ndarray, k: np.ndarray) -> float:
     """sum_i E[tau_i](k_i) with the cumulative gains [A, K+1] (_cumulative_gains)."""
     return float(len(k) + cumulative[np.arange(len(k)), k].sum())
@@ -298,14 +293,14 @@ def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime,
     choice to begin from (the last decision's): every depth's iteration starts at the best of its
     goodput and plain decoding's, a lower bound of the optimum, so a good start saves iterations
     (a depth whose optimum lies below it stops at once, and cannot be the argmax)."""
-    return _search_exact(gains, _cumulative_gains(gains), caps, step_time, tolerance, start)
+    return _search_exact(_cumulative_gains(gains), caps, step_time, tolerance, start)
 
 
-def _search_exact(gains: np.ndarray, cumulative: np.ndarray, caps: np.ndarray, step_time: LinearStepTime,
+def _search_exact(cumulative: np.ndarray, caps: np.ndarray, step_time: LinearStepTime,
                   tolerance: float = 1e-12, start: np.ndarray | None = None, plain: float | None = None) -> np.ndarray:
     """search_exact with the cumulative gains [A, K+1] (_cumulative_gains) and, where the caller
     has it, plain decoding's goodput G(0) (choose_lengths computes both once per decision)."""
-    num_rows, max_k = gains.shape
+    num_rows, max_k = cumulative.shape[0], cumulative.shape[1] - 1
     best_k = np.zeros(num_rows, dtype=np.int64)
     best = _goodput_of(cumulative, best_k, step_time) if plain is None else plain
     if start is not None:
@@ -466,7 +461,7 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
     if len(caps) == 0 or caps.max() <= 0:
         return zeros, plain, plain
     if search == "exact":
-        k = _search_exact(gains, cumulative, caps, step_time, start=start, plain=plain)
+        k = _search_exact(cumulative, caps, step_time, start=start, plain=plain)
     else:
         k = SEARCH_FUNCTIONS[search](gains, caps, step_time)
     chosen = _goodput_of(cumulative, k, step_time)
