@@ -27,10 +27,15 @@ tries the next suspects, the compiled variant of the first bucket traced (the la
 ``--log-recompiles`` prints why Dynamo compiled each further variant. ``--bucket-logits`` is the
 direct test: after the decode probe, the same pass (64 rows of 7 tokens, 448 tokens; and 1 row of
 7) replayed through every bucket of the runner that holds it, its logits compared bitwise with the
-smallest such bucket's (the fraction of logits and of argmaxes that differ, per bucket). Written
-after session 19's device time ran out, it has not run yet. On the CPU,
-an HF Llama compiled with ``dynamic=True`` served sizes 64 down to 2 with one graph and recompiled
-only for size 1, so a variant of the largest bucket's own is not a given.
+smallest such bucket's (the fraction of logits and of argmaxes that differ, per bucket).
+
+Session 20 (H200, `benchmarks/results/bf16_shape_probe_h200_compile_{library,ascending}.json`):
+with ``library`` (then largest first), bucket 1024 changed 3.7% of the 64x7 pass's logits against
+bucket 512, and b64 k = 8 diverged in 29 of 64 rows (k = 6 and 7, and b32 k = 6-8: none); Dynamo
+had compiled four variants, the first for bucket 1024 alone (a guard on the token view's stride).
+With ``ascending``: two variants (size 1, and sizes 2 and up), every bucket's logits bitwise
+equal, no row diverged. ``GraphedForward`` now does this itself (and has no size-1 bucket when
+compiled), so ``library`` is the fixed order from then on.
 
     python scripts/bf16_shape_probe.py --reduced-precision-reduction off --out /tmp/probe_off.json
     python scripts/bf16_shape_probe.py --compile --capture-order odd-first --lengths 6,8 --out /tmp/odd.json
@@ -40,6 +45,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import numpy as np
@@ -208,7 +215,8 @@ def main() -> None:
     started = time.perf_counter()
     result = {"capture_order": args.capture_order, "reduced_precision_reduction": args.reduced_precision_reduction, "dtype": args.dtype,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "torch": torch.__version__, "compile": args.compile}
+              "torch": torch.__version__, "compile": args.compile,
+              "commit": os.environ.get("SPECDEC_COMMIT", ""), "command": " ".join(["python"] + sys.argv)}
     result["gemm"] = gemm_probe(args.device, dtype)
     for shape, by_m in result["gemm"].items():
         print(shape, " ".join(f"{m}:{v:.3f}" for m, v in by_m.items()), flush=True)

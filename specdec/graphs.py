@@ -8,11 +8,22 @@ never touch a real row. Graphs are captured once, in ``capture()``; afterwards n
 captured or compiled again (``captures`` counts them) and a pass that fits no bucket (a long
 prefill) runs eagerly.
 
-With ``compile=True`` the passes are first compiled with ``torch.compile`` (dynamic token count,
-so one compilation serves every bucket; attention stays our Triton kernel, an opaque custom op),
-which fuses the dozens of small kernels per layer (normalisation, rotary embedding,
-activations, residual adds) that otherwise dominate a small-batch step; the graphs then replay
-the compiled kernels. Compilation also happens only in ``capture()``.
+With ``compile=True`` the passes are first compiled with ``torch.compile`` (dynamic token count;
+attention stays our Triton kernel, an opaque custom op), which fuses the dozens of small kernels
+per layer (normalisation, rotary embedding, activations, residual adds) that otherwise dominate a
+small-batch step; the graphs then replay the compiled kernels. Compilation also happens only in
+``capture()``. Invariant, compiled or not: a pass's logits are bitwise the same whichever bucket
+replays it (bf16 included), so the padding a pass gets never decides a near-tie.
+With compilation that needs **one compiled variant for every bucket**: Dynamo compiles a variant
+of its own for size 1 (it specialises 0/1 sizes) and, when the first size it traces is the
+largest bucket, one for that bucket alone (the token view then spans the whole buffer, and
+Dynamo guards on that stride); variants differ in their kernels, hence in bf16 rounding. On an
+H200 the largest bucket's own variant changed 3.7% of a pass's bf16 logits and broke near-ties
+(verification of k = 8 at 64 rows differed from plain decoding in 29 of 64 rows;
+``scripts/bf16_shape_probe.py``; traced smallest first, no bucket differed and none diverged).
+So compiled buckets start at 2 tokens (a 1-token pass runs with one filler token), ``capture()``
+traces them smallest first before capturing, and without duck sizing (which guards inputs of
+equal size at the first trace equal).
 
 Per replay the host gathers all of the pass's integers into one array and copies it into the
 static buffers in one non-blocking transfer (``transfer.to_device``): no synchronisation.
@@ -20,6 +31,7 @@ static buffers in one non-blocking transfer (``transfer.to_device``): no synchro
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import numpy as np
@@ -31,13 +43,25 @@ from .attention import METADATA_KWARG, AttentionMetadata
 RECOMPILE_LIMIT = 64  # compiled variants per model class (target and drafters share a forward's code)
 
 
+def _no_duck_shapes():
+    """Dynamo's symbolic sizes without duck sizing (equal sizes at trace time get one symbol and
+    an equality guard); a no-op where this torch has no such setting."""
+    config = getattr(torch.fx.experimental, "_config", None)
+    if config is None or not hasattr(config, "use_duck_shape"):
+        return contextlib.nullcontext()
+    return config.patch(use_duck_shape=False)
+
+
 class GraphedForward:
     def __init__(self, runner, max_group_tokens: int, max_tokens: int, compile: bool = False):
         self.runner = runner
         self.compiled = compile
         self._model = torch.compile(runner.model, dynamic=True) if compile else runner.model
         self.max_group_tokens = max_group_tokens
-        self.buckets = [1 << i for i in range((max_tokens - 1).bit_length() + 1)]  # powers of two up to >= max
+        smallest = 2 if compile else 1  # compiled: no size-1 bucket (module docstring)
+        largest = max(max_tokens, smallest)
+        # powers of two from the smallest up to >= max_tokens
+        self.buckets = [1 << i for i in range(smallest.bit_length() - 1, (largest - 1).bit_length() + 1)]
         self.max_tokens = self.buckets[-1]
         self.max_groups = min(self.max_tokens, runner.cache.max_rows - 1) + 1  # + the filler group
         device = runner.device
@@ -128,7 +152,9 @@ class GraphedForward:
                 self._allocate_cache()
                 name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
                 limit = max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT)  # the name before torch 2.7
-                with torch._dynamo.config.patch(**{name: limit}):
+                # no "duck" sizes either: two inputs of equal size at the first trace (the token
+                # groups and the cache rows) would otherwise be guarded equal, a variant more
+                with torch._dynamo.config.patch(**{name: limit}), _no_duck_shapes():
                     self._capture_all()
             else:
                 self._capture_all()
@@ -148,9 +174,13 @@ class GraphedForward:
     def _capture_all(self) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        empty = np.zeros(0, dtype=np.int64)
         with torch.cuda.stream(stream):
+            if self.compiled:  # trace the smallest bucket first: one variant serves them all (module docstring)
+                for bucket in self.buckets:
+                    self._fill(None, empty, empty, empty, bucket)
+                    self._run_model(bucket)
             for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
-                empty = np.zeros(0, dtype=np.int64)
                 self._fill(None, empty, empty, empty, bucket)
                 for _ in range(2):  # compile kernels and create library handles outside the capture
                     self._run_model(bucket)
