@@ -31,7 +31,11 @@
 #             or a shorter grid. Run 20 ran b1 as part `p1m`
 #             (`--workloads mixed --time-limit-s 140`) in the 5 minutes it thought were left.
 #             Merge with `python -m specdec bench --policies --merge` (a part cut by its time limit
-#             lists its skipped cells)
+#             lists its skipped cells). Run 24 (H200, after the compiled-graphs fix, whose runner builds
+#             took 21-26 s a part against run 23's 52-127 s): 337 s (zoo, tests and a tieprobe), 425 s
+#             (p1), 367 s (p4), 232 s (p16); all held time counted. A whole run on one machine is
+#             then about 300 + 425 + 370 + 235 + ~330 (p64) s plus the start: order it zoo+tests, p64,
+#             p4, p1, then p16 last (the shortest) with PART_LIMIT_S set below the time left
 #   tieprobe  scripts/bf16_shape_probe.py --compile --bucket-logits --log-recompiles for each capture
 #             order in $PROBE_ORDERS (default: library odd-first ascending); needs no zoo
 #   demo      python -m specdec demo --preset gpu --device cuda
