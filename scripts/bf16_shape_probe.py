@@ -35,7 +35,9 @@ bucket 512, and b64 k = 8 diverged in 29 of 64 rows (k = 6 and 7, and b32 k = 6-
 had compiled four variants, the first for bucket 1024 alone (a guard on the token view's stride).
 With ``ascending``: two variants (size 1, and sizes 2 and up), every bucket's logits bitwise
 equal, no row diverged. ``GraphedForward`` now does this itself (and has no size-1 bucket when
-compiled), so ``library`` is the fixed order from then on.
+compiled), so ``library`` is the fixed order from then on (`..._compile_fixed.json`: one variant,
+no bucket differed, no row diverged); ``ascending`` and ``odd-first`` now only add warm-up passes
+before the library's own smallest-first trace, and no longer isolate what they did.
 
     python scripts/bf16_shape_probe.py --reduced-precision-reduction off --out /tmp/probe_off.json
     python scripts/bf16_shape_probe.py --compile --capture-order odd-first --lengths 6,8 --out /tmp/odd.json

@@ -1,10 +1,10 @@
 """CUDA graphs for a runner's forward passes over bucketed shapes (DESIGN §5).
 
-Invariant: a replay runs exactly the kernels an eager forward would, over static buffers, and
-gives the same logits for the real tokens. A pass of N packed tokens in groups of at most
-``max_group_tokens`` runs the graph of the smallest bucket of N_b >= N tokens (powers of two);
-the N_b - N filler tokens form one extra group on a scratch cache row at position 0, so they
-never touch a real row. Graphs are captured once, in ``capture()``; afterwards nothing is
+Invariant: a replay runs exactly the kernels an eager forward would (uncompiled), over static
+buffers, and gives the same logits for the real tokens. A pass of N packed tokens in groups of
+at most ``max_group_tokens`` runs the graph of the smallest bucket of N_b >= N tokens (powers of
+two); the N_b - N filler tokens form one extra group on a scratch cache row at position 0, so
+they never touch a real row. Graphs are captured once, in ``capture()``; afterwards nothing is
 captured or compiled again (``captures`` counts them) and a pass that fits no bucket (a long
 prefill) runs eagerly.
 
@@ -12,18 +12,25 @@ With ``compile=True`` the passes are first compiled with ``torch.compile`` (dyna
 attention stays our Triton kernel, an opaque custom op), which fuses the dozens of small kernels
 per layer (normalisation, rotary embedding, activations, residual adds) that otherwise dominate a
 small-batch step; the graphs then replay the compiled kernels. Compilation also happens only in
-``capture()``. Invariant, compiled or not: a pass's logits are bitwise the same whichever bucket
-replays it (bf16 included), so the padding a pass gets never decides a near-tie.
-With compilation that needs **one compiled variant for every bucket**: Dynamo compiles a variant
-of its own for size 1 (it specialises 0/1 sizes) and, when the first size it traces is the
-largest bucket, one for that bucket alone (the token view then spans the whole buffer, and
-Dynamo guards on that stride); variants differ in their kernels, hence in bf16 rounding. On an
-H200 the largest bucket's own variant changed 3.7% of a pass's bf16 logits and broke near-ties
-(verification of k = 8 at 64 rows differed from plain decoding in 29 of 64 rows;
-``scripts/bf16_shape_probe.py``; traced smallest first, no bucket differed and none diverged).
-So compiled buckets start at 2 tokens (a 1-token pass runs with one filler token), ``capture()``
-traces them smallest first before capturing, and without duck sizing (which guards inputs of
-equal size at the first trace equal).
+``capture()``.
+
+A property the CUDA tests and ``scripts/bf16_shape_probe.py`` check, compiled or not: a pass's
+logits are bitwise the same whichever bucket replays it (bf16 included), so the padding a pass
+gets does not decide a near-tie. (It also rests on cuBLAS giving a row the same product whatever
+the number of rows, which the probe measured on an H200 for the zoo's shapes.) Compiled, it needs
+one compiled variant for every bucket, and Dynamo does not give that by itself:
+- it compiles a variant of its own for size 1 (it specialises sizes 0 and 1);
+- when the first size it traces is the largest bucket, it compiles one for that bucket alone (the
+  token view then spans the whole buffer, and Dynamo guards on that stride);
+- duck sizing ties sizes that happen to be equal at the first trace (bucket 2 against another
+  input dimension of size 2), and recompiles when they part.
+Variants differ in their kernels, hence in bf16 rounding. On an H200 the largest bucket's own
+variant changed 3.7% of a 448-token pass's bf16 logits and broke near-ties: verification of
+k = 8 at 64 rows differed from plain decoding in 29 of 64 rows
+(``benchmarks/results/bf16_shape_probe_h200_compile_library.json``). So compiled buckets start at
+2 tokens (a 1-token pass runs with one filler token), and ``capture()`` traces them smallest
+first, with duck sizing off, before capturing them largest first; with that, no bucket's logits
+differed and no row diverged (``..._compile_fixed.json``).
 
 Per replay the host gathers all of the pass's integers into one array and copies it into the
 static buffers in one non-blocking transfer (``transfer.to_device``): no synchronisation.
@@ -152,8 +159,7 @@ class GraphedForward:
                 self._allocate_cache()
                 name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
                 limit = max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT)  # the name before torch 2.7
-                # no "duck" sizes either: two inputs of equal size at the first trace (the token
-                # groups and the cache rows) would otherwise be guarded equal, a variant more
+                # duck sizing off: sizes equal at the first trace would be tied (module docstring)
                 with torch._dynamo.config.patch(**{name: limit}), _no_duck_shapes():
                     self._capture_all()
             else:

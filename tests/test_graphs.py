@@ -164,3 +164,30 @@ def test_a_pass_gives_bitwise_the_same_logits_in_every_bucket(compile):
         first = next(iter(replayed.values()))
         differing = {bucket: float(logits.ne(first).float().mean()) for bucket, logits in replayed.items()}
         assert all(fraction == 0 for fraction in differing.values()), (rows, tokens_per_row, differing)
+
+
+def test_compiled_capture_makes_one_variant_for_every_bucket():
+    """Structural check of the same property: capturing every bucket of a compiled runner makes as
+    many Dynamo graphs as capturing one bucket does (one compiled variant serves them all; traced
+    largest first, Dynamo made a variant for the largest bucket alone). Added in session 20 after
+    that session's GPU time was spent: not yet run on a GPU."""
+    from torch._dynamo.utils import counters
+
+    from specdec.runner import ModelRunner
+
+    model = make_model("llama", vocab_size=512, hidden=128, dtype=torch.bfloat16, device="cuda", seed=4)
+
+    def graphs_made(max_tokens: int) -> tuple[int, list[int]]:
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        runner = ModelRunner(model, max_rows=16, max_len=64, attention="fast")
+        runner.enable_graphs(9, max_tokens, compile=True)
+        buckets = list(runner.graphs.buckets)
+        runner.release()
+        return counters["stats"]["unique_graphs"] - before, buckets
+
+    every, buckets = graphs_made(300)
+    one, single = graphs_made(2)
+    assert single == [2] and buckets == [2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert one >= 1, "nothing was compiled: the recompile limit may have been reached (Dynamo then runs eagerly)"
+    assert every == one, f"{every} Dynamo graphs for {len(buckets)} buckets, {one} for one bucket"

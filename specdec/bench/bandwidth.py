@@ -79,7 +79,8 @@ def floor_seconds(model, batch: int, context: int, bandwidth: float) -> float:
 
 def replay_seconds(model, batch: int, repeats: int = 50) -> float:
     """Device time of one replay of the graph a plain decoding step of ``batch`` rows runs (the
-    smallest bucket of at least ``batch`` tokens), back to back."""
+    smallest bucket of at least ``batch`` tokens; compiled runners have no size-1 bucket, so at
+    batch 1 that is 2 tokens, one of them filler), back to back."""
     graphs = runners_of(model)["target"].graphs
     bucket = min(b for b in graphs.graphs if b >= batch)
     graph = graphs.graphs[bucket][0]
