@@ -122,10 +122,7 @@ def bucket_logits(target, rows: int, tokens_per_row: int) -> dict:
     found, first = {}, None
     with runner.attached():
         for bucket in (b for b in graphs.buckets if b >= num_tokens):
-            graphs._fill(input_ids, row_ids, starts, counts, bucket)
-            graph, logits = graphs.graphs[bucket]
-            graph.replay()
-            logits = logits[:num_tokens].float().clone()  # [N, V]
+            logits = graphs.run(input_ids, row_ids, starts, counts, bucket=bucket).float()  # [N, V] (a copy)
             if first is None:
                 first = logits
             found[bucket] = {"logits": float(logits.ne(first).float().mean()),

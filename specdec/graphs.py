@@ -65,10 +65,9 @@ class GraphedForward:
         self.compiled = compile
         self._model = torch.compile(runner.model, dynamic=True) if compile else runner.model
         self.max_group_tokens = max_group_tokens
-        smallest = 2 if compile else 1  # compiled: no size-1 bucket (module docstring)
-        largest = max(max_tokens, smallest)
-        # powers of two from the smallest up to >= max_tokens
-        self.buckets = [1 << i for i in range(smallest.bit_length() - 1, (largest - 1).bit_length() + 1)]
+        first = 1 if compile else 0  # exponent of the smallest bucket: compiled, no size-1 bucket (module docstring)
+        # powers of two from 2^first up to the first >= max_tokens
+        self.buckets = [1 << i for i in range(first, max(first, (max_tokens - 1).bit_length()) + 1)]
         self.max_tokens = self.buckets[-1]
         self.max_groups = min(self.max_tokens, runner.cache.max_rows - 1) + 1  # + the filler group
         device = runner.device
@@ -202,10 +201,15 @@ class GraphedForward:
     def fits(self, counts: np.ndarray) -> bool:
         return len(self.graphs) > 0 and int(counts.max()) <= self.max_group_tokens and int(counts.sum()) <= self.max_tokens
 
-    def run(self, input_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> torch.Tensor:
-        """Replay the bucket's graph for this pass -> logits [N, V] (a view: copy before the next replay)."""
+    def run(self, input_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+            bucket: int | None = None) -> torch.Tensor:
+        """Replay the graph of the smallest bucket that holds this pass (or of ``bucket``, one that
+        holds it) -> logits [N, V] (a view: copy before the next replay)."""
         num_tokens = int(counts.sum())
-        bucket = next(b for b in self.buckets if b >= num_tokens)
+        if bucket is None:
+            bucket = next(b for b in self.buckets if b >= num_tokens)
+        elif bucket not in self.graphs or bucket < num_tokens:
+            raise ValueError(f"bucket {bucket} does not hold a pass of {num_tokens} tokens; buckets: {sorted(self.graphs)}")
         self._fill(input_ids, rows, starts, counts, bucket)
         graph, logits = self.graphs[bucket]
         graph.replay()

@@ -628,12 +628,16 @@ class StepTimeCalibration:
             self._catch_up_samples.clear()  # and what switching back on costs: one slow catch-up cannot rule it out for good
             self._idle[bucket] = 0
 
+    def _tick(self, bucket: int) -> None:
+        """One more step on the clock and in the bucket's count."""
+        self._clock += 1
+        self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+
     def unmeasured(self, num_rows: int, drafting: bool) -> None:
         """A step not calibrated on (a catch-up, or a switch between drafting and plain
         decoding): the clock runs on, and a drafting one ends the bucket's run of idle steps."""
         bucket = row_bucket(num_rows)
-        self._clock += 1
-        self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+        self._tick(bucket)
         if drafting:
             self._idle[bucket] = 0
 
@@ -655,8 +659,7 @@ class StepTimeCalibration:
         predicted = base + self.extra_scale.get(bucket, 1.0) * extra
         speeds = []  # measured / predicted of each step
         for seconds in measured_s:
-            self._clock += 1
-            self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+            self._tick(bucket)
             if seconds <= 0:
                 continue
             speeds.append(seconds / predicted)
