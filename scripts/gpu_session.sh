@@ -35,7 +35,11 @@
 #             took 21-26 s a part against run 23's 52-127 s): 337 s (zoo, tests and a tieprobe), 425 s
 #             (p1), 367 s (p4), 232 s (p16); all held time counted. A whole run on one machine is
 #             then about 300 + 425 + 370 + 235 + ~330 (p64) s plus the start: order it zoo+tests, p64,
-#             p4, p1, then p16 last (the shortest) with PART_LIMIT_S set below the time left
+#             p4, p1, then p16 last (the shortest) with PART_LIMIT_S set below the time left. Run 25
+#             (H200, ff167ab) so: 308 s (zoo with tests; 337 s held with the start), 296 s (p64), 368 s
+#             (p4), then p1 (P1_LIMIT_S=370) ran past its call's 440 s and returned nothing, and p16
+#             (limit 190) took 264 s. A whole run is now one detached process instead:
+#             scripts/gpu_detached.sh (the parts back to back, each capped by the run's deadline)
 #   tieprobe  scripts/bf16_shape_probe.py --compile --bucket-logits --log-recompiles for each capture
 #             order in $PROBE_ORDERS (default: library odd-first ascending); needs no zoo
 #   demo      python -m specdec demo --preset gpu --device cuda
@@ -49,15 +53,28 @@
 # What comes back: the device returns at most 8 files from $OUT (run 22 lost a part's JSON past that
 # limit), so every file is written to a work folder and packed into $OUT/results.tgz after each
 # step; a call killed by its time limit still returns what its finished steps wrote. Unpack here
-# with `tar xzf results.tgz -C somewhere`. PART_LIMIT_S (default 420) is the p64/p16/p4/p1 parts'
-# own time limit: below the call's remaining device time, or the part writes nothing.
+# with `tar xzf results.tgz -C somewhere`; a background packer also packs every PACK_EVERY_S (20) s.
+# PART_LIMIT_S (default 420; P1_LIMIT_S for p1) is the p64/p16/p4/p1 parts' own time limit, after
+# which no cell starts: a part lasts up to its limit plus the cell it is in (about 110 s at batch 1)
+# and its write-up, so keep limit + 140 s below the call's remaining device time.
+# WARMUP=0 leaves out the zoo part's short warm-up bench; RUN_DEADLINE_S, DONE_FILE: gpu_detached.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true SPECDEC_ZOO_DIR=${SPECDEC_ZOO_DIR:-/tmp/zoo}
 RETURNED=${OUT:-/tmp/out}; mkdir -p "$RETURNED"
 OUT=/tmp/specdec_gpu_session_out; rm -rf "$OUT"; mkdir -p "$OUT"
-# (tar exits 1 when a file changed as it read it, e.g. the CUDA tests' log written beside the build: still a pack)
-pack() { tar czf "$RETURNED/results.tgz.part" -C "$OUT" . ; [[ $? -le 1 ]] && mv "$RETURNED/results.tgz.part" "$RETURNED/results.tgz"; }
-trap pack EXIT
+# (tar exits 1 when a file changed as it read it, e.g. the CUDA tests' log written beside the build: still a pack;
+# each pack writes a name of its own and renames it, so the background packer and a step's pack never clash)
+pack() {
+  local part="$RETURNED/.results.$BASHPID.part"
+  tar czf "$part" -C "$OUT" . ; if [[ $? -le 1 ]]; then mv -f "$part" "$RETURNED/results.tgz"; else rm -f "$part"; fi
+}
+# a background packer every PACK_EVERY_S seconds: run 25's b1 part ran past its call's limit, which
+# killed the EXIT trap's pack too, and its two finished cells (the bench rewrites a .partial.json
+# after every cell) were lost with it
+( while sleep "${PACK_EVERY_S:-20}"; do pack; done ) >/dev/null 2>&1 &
+PACKER_PID=$!
+# DONE_FILE (set by scripts/gpu_detached.sh): touched once everything is packed
+trap 'kill $PACKER_PID 2>/dev/null; wait $PACKER_PID 2>/dev/null; pack; [[ -n "${DONE_FILE:-}" ]] && touch "$DONE_FILE"' EXIT
 PART_LIMIT_S=${PART_LIMIT_S:-420}
 PARTS=${PARTS:-tests}
 quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config" ; }
@@ -88,7 +105,7 @@ if [[ " $PARTS " =~ " bench " || " $PARTS " =~ " quick " || " $PARTS " =~ " poli
 fi
 [[ " $PARTS " =~ " bench " ]] && $RUN -m specdec bench --out "$OUT" 2>&1 | quiet | tee "$OUT/bench.log" | tail -40; pack
 [[ " $PARTS " =~ " quick " ]] && $RUN -m specdec bench --quick --out "$OUT" 2>&1 | quiet | tee "$OUT/bench_quick.log" | tail -30; pack
-[[ " $PARTS " =~ " zoo " ]] && python3 -m specdec bench --policies --preset gpu --device cuda --quick \
+[[ " $PARTS " =~ " zoo " && ${WARMUP:-1} == 1 ]] && python3 -m specdec bench --policies --preset gpu --device cuda --quick \
   --workloads mixed --time-limit-s 30 --out /tmp/warm 2>&1 | quiet | tail -3
 [[ -n "$TESTS_PID" ]] && { wait "$TESTS_PID"; tail -25 "$OUT/cuda_tests.log"; pack; }
 [[ " $PARTS " =~ " noise " ]] && PYTHONPATH=. python3 scripts/noise_probe.py --out "$OUT" 2>&1 | quiet | tee "$OUT/noise.log" | tail -12; pack
@@ -103,15 +120,37 @@ policies_part() {
   pack
 }
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
-[[ " $PARTS " =~ " p64 " ]] && policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s $PART_LIMIT_S
-[[ " $PARTS " =~ " p16 " ]] && policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s $PART_LIMIT_S --profile-prompts 48 --profile-repeats 1
-[[ " $PARTS " =~ " p4 " ]] && policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s $PART_LIMIT_S --profile-prompts 48 --profile-repeats 1
-# one workload at batch 4 (run 21's p4 reached its 330 s limit before `continuation`): 248 s after a
-# `zoo` call on the same machine. On a fresh machine without that call's warm-up, the zoo build and
-# this part did not fit one call: the part's compilation ran cold, and no cell was done at 600 s
-[[ " $PARTS " =~ " p4c " ]] && policies_part b4_continuation --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1 --workloads continuation
-[[ " $PARTS " =~ " p1 " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s ${P1_LIMIT_S:-400} --profile-prompts 8 --profile-repeats 2
-[[ " $PARTS " =~ " p1m " ]] && policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s 140 --profile-prompts 8 --profile-repeats 2 --workloads mixed
+# one part by name (p64, p16, p4, p4c, p1, p1m), run in the order $PARTS names them. Under a detached
+# whole run (scripts/gpu_detached.sh) RUN_DEADLINE_S caps each part's time limit at the seconds left
+# before the deadline less PART_TAIL_S (after its limit a part still finishes the cell it is in: about
+# 110 s at batch 1, and run 25's p1 with P1_LIMIT_S=370 ran past a 440 s call), and a part whose
+# capped limit falls below MIN_PART_LIMIT_S (its set-up alone takes 60-110 s) is skipped
+run_part() {
+  local part=$1 limit=$PART_LIMIT_S
+  case $part in p1) limit=${P1_LIMIT_S:-400} ;; p1m) limit=140 ;; p4c) limit=100000 ;; esac
+  if [[ -n "${RUN_DEADLINE_S:-}" ]]; then
+    local left=$(( RUN_DEADLINE_S - SECONDS - ${PART_TAIL_S:-140} ))
+    (( left < limit )) && limit=$left
+    if (( limit < ${MIN_PART_LIMIT_S:-150} )); then
+      echo "part $part skipped: $(( RUN_DEADLINE_S - SECONDS )) s left before the run's deadline of $RUN_DEADLINE_S s"; return
+    fi
+  fi
+  echo "part $part, time limit $limit s, at $SECONDS s"
+  case $part in
+    p64) policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit ;;
+    p16) policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit --profile-prompts 48 --profile-repeats 1 ;;
+    p4) policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit --profile-prompts 48 --profile-repeats 1 ;;
+    # one workload at batch 4 (run 21's p4 reached its 330 s limit before `continuation`): 248 s after a
+    # `zoo` call on the same machine. On a fresh machine without that call's warm-up, the zoo build and
+    # this part did not fit one call: the part's compilation ran cold, and no cell was done at 600 s
+    p4c) policies_part b4_continuation --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit --profile-prompts 48 --profile-repeats 1 --workloads continuation ;;
+    p1) policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s $limit --profile-prompts 8 --profile-repeats 2 ;;
+    p1m) policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s $limit --profile-prompts 8 --profile-repeats 2 --workloads mixed ;;
+  esac
+}
+for part in $PARTS; do
+  case $part in p64|p16|p4|p4c|p1|p1m) run_part "$part" ;; esac
+done
 # the bf16 near-tie probe (BENCHMARKS run 23): a random gpu-shaped target, no zoo; about 2 minutes a capture order
 if [[ " $PARTS " =~ " tieprobe " ]]; then
   for order in ${PROBE_ORDERS:-library odd-first ascending}; do
