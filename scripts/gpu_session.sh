@@ -61,7 +61,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true SPECDEC_ZOO_DIR=${SPECDEC_ZOO_DIR:-/tmp/zoo}
 RETURNED=${OUT:-/tmp/out}; mkdir -p "$RETURNED"
-OUT=/tmp/specdec_gpu_session_out; rm -rf "$OUT"; mkdir -p "$OUT"
+# the work folder is named by the folder returned, so a detached run (gpu_detached.sh) and a plain call never share one
+OUT=/tmp/specdec_gpu_session_out_$(printf %s "$RETURNED" | md5sum | cut -c1-8); rm -rf "$OUT"; mkdir -p "$OUT"
 # (tar exits 1 when a file changed as it read it, e.g. the CUDA tests' log written beside the build: still a pack;
 # each pack writes a name of its own and renames it, so the background packer and a step's pack never clash)
 pack() {
