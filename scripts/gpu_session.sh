@@ -57,7 +57,8 @@
 # PART_LIMIT_S (default 420; P1_LIMIT_S for p1) is the p64/p16/p4/p1 parts' own time limit, after
 # which no cell starts: a part lasts up to its limit plus the cell it is in (about 110 s at batch 1)
 # and its write-up, so keep limit + 140 s below the call's remaining device time.
-# WARMUP=0 leaves out the zoo part's short warm-up bench; RUN_DEADLINE_S, DONE_FILE: gpu_detached.sh.
+# WARMUP=0 leaves out the zoo part's short warm-up bench; RUN_DEADLINE_FILE, RUN_DEADLINE_S, DONE_FILE:
+# see run_part and gpu_detached.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true SPECDEC_ZOO_DIR=${SPECDEC_ZOO_DIR:-/tmp/zoo}
 RETURNED=${OUT:-/tmp/out}; mkdir -p "$RETURNED"
@@ -75,7 +76,7 @@ pack() {
 ( while sleep "${PACK_EVERY_S:-20}"; do pack; done ) >/dev/null 2>&1 &
 PACKER_PID=$!
 # DONE_FILE (set by scripts/gpu_detached.sh): touched once everything is packed
-trap 'kill $PACKER_PID 2>/dev/null; wait $PACKER_PID 2>/dev/null; pack; [[ -n "${DONE_FILE:-}" ]] && touch "$DONE_FILE"' EXIT
+trap 'kill $PACKER_PID 2>/dev/null; wait $PACKER_PID 2>/dev/null; pack; rm -f "$RETURNED"/.results.*.part; [[ -n "${DONE_FILE:-}" ]] && touch "$DONE_FILE"' EXIT
 PART_LIMIT_S=${PART_LIMIT_S:-420}
 PARTS=${PARTS:-tests}
 quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config" ; }
@@ -122,21 +123,28 @@ policies_part() {
 }
 [[ -z "${SPECDEC_COMMIT:-}" && " $PARTS " =~ " p" ]] && echo "warning: SPECDEC_COMMIT is not set; the results will record the GPU copy's stale commit"
 # one part by name (p64, p16, p4, p4c, p1, p1m), run in the order $PARTS names them. Under a detached
-# whole run (scripts/gpu_detached.sh) RUN_DEADLINE_S caps each part's time limit at the seconds left
-# before the deadline less PART_TAIL_S (after its limit a part still finishes the cell it is in: about
-# 110 s at batch 1, and run 25's p1 with P1_LIMIT_S=370 ran past a 440 s call), and a part whose
+# whole run (scripts/gpu_detached.sh) the deadline (RUN_DEADLINE_FILE: its epoch seconds, which a later
+# call may move earlier; or RUN_DEADLINE_S, seconds from this script's start) caps each part's time
+# limit at the seconds left less the part's tail: after its limit a part still finishes the cell it
+# is in and writes its report (about 140 s at batch 1, whose cells take about 110 s; 80 s at batch 4-64;
+# PART_TAIL_S overrides both). Run 25's p1 with P1_LIMIT_S=370 ran past a 440 s call. A part whose
 # capped limit falls below MIN_PART_LIMIT_S (its set-up alone takes 60-110 s) is skipped
-run_part() {
-  local part=$1 limit=$PART_LIMIT_S
-  case $part in p1) limit=${P1_LIMIT_S:-400} ;; p1m) limit=140 ;; p4c) limit=100000 ;; esac
-  if [[ -n "${RUN_DEADLINE_S:-}" ]]; then
-    local left=$(( RUN_DEADLINE_S - SECONDS - ${PART_TAIL_S:-140} ))
-    (( left < limit )) && limit=$left
-    if (( limit < ${MIN_PART_LIMIT_S:-150} )); then
-      echo "part $part skipped: $(( RUN_DEADLINE_S - SECONDS )) s left before the run's deadline of $RUN_DEADLINE_S s"; return
-    fi
+seconds_left() {
+  if [[ -n "${RUN_DEADLINE_FILE:-}" && -e "${RUN_DEADLINE_FILE:-}" ]]; then echo $(( $(cat "$RUN_DEADLINE_FILE") - $(date +%s) ))
+  elif [[ -n "${RUN_DEADLINE_S:-}" ]]; then echo $(( RUN_DEADLINE_S - SECONDS ))
   fi
-  echo "part $part, time limit $limit s, at $SECONDS s"
+}
+run_part() {
+  local part=$1 limit=$PART_LIMIT_S tail=80 left
+  case $part in p1) limit=${P1_LIMIT_S:-400} ;; p1m) limit=140 ;; p4c) limit=100000 ;; esac
+  case $part in p1|p1m) tail=140 ;; esac
+  tail=${PART_TAIL_S:-$tail}
+  left=$(seconds_left)
+  if [[ -n "$left" ]]; then
+    (( left - tail < limit )) && limit=$(( left - tail ))
+    if (( limit < ${MIN_PART_LIMIT_S:-150} )); then echo "part $part skipped: $left s left before the run's deadline"; return; fi
+  fi
+  echo "part $part, time limit $limit s, at $SECONDS s${left:+, $left s before the deadline}"
   case $part in
     p64) policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit ;;
     p16) policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit --profile-prompts 48 --profile-repeats 1 ;;
@@ -150,7 +158,10 @@ run_part() {
   esac
 }
 for part in $PARTS; do
-  case $part in p64|p16|p4|p4c|p1|p1m) run_part "$part" ;; esac
+  case $part in
+    p64|p16|p4|p4c|p1|p1m) run_part "$part" ;;
+    p*) echo "warning: no part named '$part' (the policies parts are p64 p16 p4 p4c p1 p1m)" ;;
+  esac
 done
 # the bf16 near-tie probe (BENCHMARKS run 23): a random gpu-shaped target, no zoo; about 2 minutes a capture order
 if [[ " $PARTS " =~ " tieprobe " ]]; then

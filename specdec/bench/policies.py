@@ -40,6 +40,7 @@ import copy
 import gc
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -215,6 +216,14 @@ class Tally(Policy):
         started = time.perf_counter()
         self.inner.observe(record)
         self.policy_s += time.perf_counter() - started
+
+
+def write_replacing(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it, so a reader (a copy
+    packed while the bench runs) sees the old file or the new one, never half of one."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def _log(*args) -> None:
@@ -1201,7 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"{stem}.partial.json"
     cost_model_path = out / f"{stem}.cost_model.json"
-    result = run(settings, checkpoint=lambda so_far: partial.write_text(json.dumps(so_far, indent=1)),
+    result = run(settings, checkpoint=lambda so_far: write_replacing(partial, json.dumps(so_far, indent=1)),
                  command=command.strip(), cost_model_path=cost_model_path)
     paths = write(result, out, stem)
     for path in paths + [cost_model_path]:

@@ -507,3 +507,13 @@ def test_a_learning_policy_serves_the_history_and_each_pass_starts_from_a_copy()
         assert all(not r.get("error") for r in rows), rows
         assert [n for label, n in CallCountingPolicy.log if label == "fixed"] == [1, 1, 2, 1, 2]
         assert [n for label, n in CallCountingPolicy.log if label == "learner"] == learner_calls
+
+
+def test_checkpoint_file_is_replaced_whole_and_leaves_no_temporary(tmp_path):
+    from specdec.bench.policies import write_replacing
+
+    path = tmp_path / "run.partial.json"
+    write_replacing(path, '{"cells": 1}')
+    write_replacing(path, '{"cells": 2}')
+    assert path.read_text() == '{"cells": 2}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.partial.json"]
