@@ -16,10 +16,12 @@
 # Exit status: 0 the run is done, 10 still going (call MODE=wait again at once: the machine goes
 # back after 30 s idle, and the run with it), 11 the run died without finishing, 3 no run here.
 #   RUN_PARTS        the parts, in order (default "zoo tests p64 p4 p1 p16": the shortest last)
-#   RUN_DEADLINE_S   seconds from now by which the last part should end (start: default 1,560, the
-#                    budget's 1,800 less the machine's start and a margin). A wait call may give it
-#                    again to move the deadline earlier (from the reply's lease.budget_left_s less
-#                    about 60 s), never later; the parts still to start are capped by it
+#   RUN_DEADLINE_S   seconds from now by which the last part should end (start: default 1,680, the
+#                    budget's 1,800 less a minute's start and a margin; the machine also goes back 30
+#                    minutes after it started). Give it again on every wait call as the reply's
+#                    lease.budget_left_s less 40: it moves the deadline earlier, never later, and the
+#                    parts still to start are capped by it. Run 25's parts took about 225 s (zoo build,
+#                    tests beside it), 300 (p64), 370 (p4), 420 (p1), 265 (p16): 1,580 s back to back
 set -uo pipefail
 RETURNED=${OUT:-/tmp/out}; mkdir -p "$RETURNED"
 RUN_DIR=/tmp/specdec_detached
@@ -33,7 +35,7 @@ case $MODE in
       # the run works from a copy: the next call re-sends the working tree under the running process
       rm -rf "$RUN_DIR" && mkdir -p "$RUN_DIR/out" && cp -r . "$RUN_DIR/repo" \
         || { echo "could not copy the tree to $RUN_DIR/repo: no run started"; exit 4; }
-      echo $(( $(now) + ${RUN_DEADLINE_S:-1560} )) > "$RUN_DIR/deadline_epoch"
+      echo $(( $(now) + ${RUN_DEADLINE_S:-1680} )) > "$RUN_DIR/deadline_epoch"
       # exec: the subshell becomes setsid (its own session, so the run outlives this call), and the
       # redirections leave nothing holding this call's output open; descriptors above 2 are closed
       (
@@ -45,7 +47,7 @@ case $MODE in
           bash scripts/gpu_session.sh
       ) > "$RUN_DIR/run.log" 2>&1 < /dev/null &
       now > "$RUN_DIR/started"
-      echo "started the detached run: parts ${RUN_PARTS:-zoo tests p64 p4 p1 p16}, deadline in ${RUN_DEADLINE_S:-1560} s"
+      echo "started the detached run: parts ${RUN_PARTS:-zoo tests p64 p4 p1 p16}, deadline in ${RUN_DEADLINE_S:-1680} s"
     fi ;;
   wait)
     if [[ -n "${RUN_DEADLINE_S:-}" && -e "$RUN_DIR/deadline_epoch" ]]; then
