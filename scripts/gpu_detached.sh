@@ -15,6 +15,9 @@
 #               session's device time still returns the last copy)
 # Exit status: 0 the run is done, 10 still going (call MODE=wait again at once: the machine goes
 # back after 30 s idle, and the run with it), 11 the run died without finishing, 3 no run here.
+# If the run dies at the first call's end (not yet tried on the device), fall back to one call a part
+# on the same warm machine (`PARTS=p64 bash scripts/gpu_session.sh`, and so on, as in run 25): the zoo
+# the run built stays in /tmp/zoo, and the parts it finished are in the last results.tgz returned.
 #   RUN_PARTS        the parts, in order (default "zoo tests p64 p4 p1 p16": the shortest last)
 #   RUN_DEADLINE_S   seconds from now by which the last part should end (start: default 1,680, the
 #                    budget's 1,800 less a minute's start and a margin; the machine also goes back 30
