@@ -9,7 +9,9 @@ point masses (no probabilities), which the acceptance rule handles exactly.
 Example, tokens ``a b c d a b`` with max_ngram 2: the suffix ``a b`` last occurred at index 0,
 followed by ``c d a b``, so k = 3 proposes ``c d a``.
 
-Cost: on the host, max_ngram passes over the [rows, length] token array per step, vectorised.
+Cost: on the host, max_ngram passes over the [rows, length] token array per step, vectorised
+(about 0.1 ms at 1 row and 0.2 ms at 64 rows of 450 tokens on one CPU core: numpy's per-call
+overhead dominates, hence fancy indexing rather than take_along_axis and clip).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def find_continuations(
     """
     num_rows, width = token_ids.shape
     max_tokens = int(num_tokens.max(initial=0))
+    rows = np.arange(num_rows)[:, None]  # [B, 1] for fancy indexing (cheaper than take_along_axis)
     match_end = np.full(num_rows, -1, dtype=np.int64)  # index of the chosen occurrence's last token
     match_len = np.zeros(num_rows, dtype=np.int64)
     ends = np.arange(width)  # candidate index E of an earlier occurrence's last token
@@ -41,23 +44,23 @@ def find_continuations(
     shifted = np.full_like(token_ids, PAD_ID)
     for n in range(1, min(max_ngram, width - 1) + 1):  # a match of n tokens needs a row of n + 1
         j = n - 1  # compare the token j before E with the row's j-th last token
-        suffix_token = np.take_along_axis(token_ids, np.clip(lengths - 1 - j, 0, width - 1)[:, None], axis=1)  # [B, 1]
+        suffix_token = token_ids[rows, np.maximum(lengths - 1 - j, 0)[:, None]]  # [B, 1] (index < width: lengths <= width)
         shifted[:, j:], shifted[:, :j] = token_ids[:, : width - j], PAD_ID  # shifted[b, E] = token_ids[b, E - j]
         matches &= (shifted == suffix_token) & (lengths[:, None] > n)
         if n < min_ngram:
             continue
         has = matches.any(axis=1)  # a longer n found later overrides a shorter one
+        if not has.any():
+            break  # no row matches n tokens, so none matches more
         latest = width - 1 - np.argmax(matches[:, ::-1], axis=1)
         match_end = np.where(has, latest, match_end)
         match_len = np.where(has, n, match_len)
-        if not has.any():
-            break  # no row matches n tokens, so none matches more
     match_start = np.where(match_end >= 0, match_end - match_len + 1, -1)
     first = match_start + match_len  # [B] index of the first proposed token
     counts = np.where(match_start >= 0, np.minimum(num_tokens, lengths - first), 0)
     columns = np.arange(max_tokens)
-    source = np.clip(first[:, None] + columns, 0, width - 1)  # [B, K]
-    proposals = np.where(columns < counts[:, None], np.take_along_axis(token_ids, source, axis=1), PAD_ID)
+    source = np.minimum(first[:, None] + columns, width - 1)  # [B, K] (-1 only in a row without a match: masked below)
+    proposals = np.where(columns < counts[:, None], token_ids[rows, source], PAD_ID)
     return proposals, counts
 
 
