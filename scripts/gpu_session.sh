@@ -135,9 +135,20 @@ seconds_left() {
   fi
 }
 run_part() {
-  local part=$1 limit=$PART_LIMIT_S tail=80 left
-  case $part in p1) limit=${P1_LIMIT_S:-400} ;; p1m) limit=140 ;; p4c) limit=100000 ;; esac
-  case $part in p1|p1m) tail=140 ;; esac
+  local part=$1 name limit=$PART_LIMIT_S tail=80 left args
+  case $part in
+    p64) name=b64; args=(--batch-sizes 64 --head-to-head-rounds 8) ;;
+    p16) name=b16; args=(--batch-sizes 16 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1) ;;
+    p4) name=b4; args=(--batch-sizes 4 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1) ;;
+    # one workload at batch 4 (run 21's p4 reached its 330 s limit before `continuation`): 248 s after a
+    # `zoo` call on the same machine. On a fresh machine without that call's warm-up, the zoo build and
+    # this part did not fit one call: the part's compilation ran cold, and no cell was done at 600 s
+    p4c) name=b4_continuation; limit=100000
+      args=(--batch-sizes 4 --head-to-head-rounds 8 --profile-prompts 48 --profile-repeats 1 --workloads continuation) ;;
+    p1) name=b1; limit=${P1_LIMIT_S:-400}; tail=140; args=(--batch-sizes 1 --head-to-head-rounds 6 --profile-prompts 8 --profile-repeats 2) ;;
+    p1m) name=b1; limit=140; tail=140
+      args=(--batch-sizes 1 --head-to-head-rounds 6 --profile-prompts 8 --profile-repeats 2 --workloads mixed) ;;
+  esac
   tail=${PART_TAIL_S:-$tail}
   left=$(seconds_left)
   if [[ -n "$left" ]]; then
@@ -145,17 +156,7 @@ run_part() {
     if (( limit < ${MIN_PART_LIMIT_S:-150} )); then echo "part $part skipped: $left s left before the run's deadline"; return; fi
   fi
   echo "part $part, time limit $limit s, at $SECONDS s${left:+, $left s before the deadline}"
-  case $part in
-    p64) policies_part b64 --batch-sizes 64 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit ;;
-    p16) policies_part b16 --batch-sizes 16 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit --profile-prompts 48 --profile-repeats 1 ;;
-    p4) policies_part b4 --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit --profile-prompts 48 --profile-repeats 1 ;;
-    # one workload at batch 4 (run 21's p4 reached its 330 s limit before `continuation`): 248 s after a
-    # `zoo` call on the same machine. On a fresh machine without that call's warm-up, the zoo build and
-    # this part did not fit one call: the part's compilation ran cold, and no cell was done at 600 s
-    p4c) policies_part b4_continuation --batch-sizes 4 --repeats 3 --head-to-head-rounds 8 --time-limit-s $limit --profile-prompts 48 --profile-repeats 1 --workloads continuation ;;
-    p1) policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s $limit --profile-prompts 8 --profile-repeats 2 ;;
-    p1m) policies_part b1 --batch-sizes 1 --repeats 3 --head-to-head-rounds 6 --time-limit-s $limit --profile-prompts 8 --profile-repeats 2 --workloads mixed ;;
-  esac
+  policies_part "$name" "${args[@]}" --repeats 3 --time-limit-s "$limit"
 }
 for part in $PARTS; do
   case $part in

@@ -24,13 +24,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from specdec import zoo
+import replay_agreements  # scripts/replay_agreements.py
 from specdec.policies import CostModel, FixedPolicy, GoodputPolicy
 from specdec.policies.acceptance import rate_from_expected_tokens
 from specdec.policies.simulate import replay_call
-from specdec.workloads import WorkloadGenerator
 
 NEW_TOKENS, ROWS = 128, 16
 COUNT = int(sys.argv[1]) if len(sys.argv) > 1 else 64
@@ -38,7 +36,6 @@ CACHE = Path(f"/tmp/specdec_agreement_cpu_batch_{COUNT}.json")
 TRUE_MS = {0: 1.27, 1: 1.85, 2: 1.98, 3: 2.08, 4: 2.15, 5: 2.46, 6: 2.76, 7: 2.98, 8: 3.18}
 # "dear": drafting costs 2.8 + 0.4 k ms, so that on the gpu-like text the best fixed k only ties plain decoding
 DEAR_MS = {0: 1.27, **{k: 2.8 + 0.4 * k for k in range(1, 9)}}
-TABLE = TRUE_MS
 
 
 def markov_agreements(count: int, seed: int = 0, stay: float = 0.95, back: float = 0.7, jitter: float = 0.05) -> list:
@@ -58,41 +55,15 @@ def markov_agreements(count: int, seed: int = 0, stay: float = 0.95, back: float
     return rows
 
 
-def record_agreements() -> dict:
-    """workload -> {"agreement": [[bool] * NEW_TOKENS per request], "prompt_tokens": [int]}."""
-    if CACHE.exists():
-        return json.loads(CACHE.read_text())
-    models = zoo.load("cpu")
-    target, drafter = models.target, models.drafters["drafter-2L"]
-    workloads = WorkloadGenerator(models.heldout_texts(), models.tokenizer, prompt_tokens=256).standard(
-        COUNT, names=("continuation", "mixed"))
-    out = {}
-    for name, workload in workloads.items():
-        rows, lengths = [], []
-        for ids in workload.prompts():
-            prompt = torch.tensor([ids])
-            with torch.no_grad():
-                generated = target.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                            attention_mask=torch.ones_like(prompt))[0, len(ids):]  # [NEW_TOKENS]
-                logits = drafter(torch.cat([prompt[0], generated])[None]).logits[0]  # [P + N, V]
-            guesses = logits[len(ids) - 1: len(ids) - 1 + NEW_TOKENS].argmax(-1)  # [N]
-            rows.append((guesses == generated).tolist())
-            lengths.append(len(ids))
-        out[name] = {"agreement": rows, "prompt_tokens": lengths}
-        print(f"{name}: drafter-2L agrees with the target at {np.mean(rows):.3f} of positions", flush=True)
-    CACHE.write_text(json.dumps(out))
-    return out
-
-
 run25 = json.load(open("benchmarks/results/policies_h200_run25.json"))
 b16_part = next(p for p in run25["parts"] if p["batch_sizes"] == [16])
 MODEL = CostModel.from_dict(b16_part["cost_model"]).subset([1])  # drafter-4L-narrow
 
 
-def true_step_time(noise: bool, rng: np.random.Generator):
+def true_step_time(table: dict, noise: bool, rng: np.random.Generator):
+    """seconds(lengths [A], k [A]): the table's ms for the step's longest draft, times the noise."""
     def seconds(lengths, k):
-        base = TABLE[int(np.max(k))] * 1e-3 if len(k) else TABLE[0] * 1e-3
-        return base * (float(np.exp(rng.normal(0.0, 0.1))) if noise else 1.0)
+        return table[int(np.max(k))] * 1e-3 * (float(np.exp(rng.normal(0.0, 0.1))) if noise else 1.0)
     return seconds
 
 
@@ -104,13 +75,13 @@ def fitted_rate(calls) -> float:
     return rate_from_expected_tokens(tau)
 
 
-def run(make, history, measured, seed, noise):
+def run(make, history, measured, seed, table, noise):
     """tokens/s and mean longest draft of the measured calls after serving the history (paired noise)."""
     policy = make()
-    step = true_step_time(noise, np.random.default_rng([seed, 0]))
+    step = true_step_time(table, noise, np.random.default_rng([seed, 0]))
     for agreement in history:
         replay_call(policy, agreement, NEW_TOKENS, step)
-    step = true_step_time(noise, np.random.default_rng([seed, 1]))
+    step = true_step_time(table, noise, np.random.default_rng([seed, 1]))
     tokens = seconds = 0.0
     drafts = []
     for agreement in measured:
@@ -138,25 +109,25 @@ def policies() -> dict:
 
 
 def main():
-    global TABLE
-    data = {**record_agreements(), "gpu-like markov": {"agreement": markov_agreements(COUNT)}}
-    if len(sys.argv) > 4 and sys.argv[4] == "dear":
-        TABLE = DEAR_MS
+    recorded = replay_agreements.record_agreements(COUNT, CACHE, NEW_TOKENS, names=("continuation", "mixed"))
+    data = {**recorded, "gpu-like markov": {"agreement": markov_agreements(COUNT)}}
+    dear = len(sys.argv) > 4 and sys.argv[4] == "dear"
+    table = DEAR_MS if dear else TRUE_MS
     seeds = range(8)
     for noise in [c == "noisy" for c in (sys.argv[2] if len(sys.argv) > 2 else "quiet,noisy").split(",")]:
-        table = "dear drafting" if TABLE is DEAR_MS else "run 25's b16 traces"
-        print(f"\n== true step time: {table}{', noisy' if noise else ''}")
+        case = "dear drafting" if dear else "run 25's b16 traces"
+        print(f"\n== true step time: {case}{', noisy' if noise else ''}")
         for name, entry in data.items():
             rows = [np.array(a, dtype=bool) for a in entry["agreement"]]
             calls = [np.stack(rows[i: i + ROWS]) for i in range(0, len(rows) - ROWS + 1, ROWS)]
             history, measured = calls[: len(calls) // 2], calls[len(calls) // 2:]
             prior = fitted_rate(history)
-            fixed = {k: np.mean([run(lambda: FixedPolicy(k), [], measured, s, noise)[0] for s in seeds]) for k in range(9)}
+            fixed = {k: np.mean([run(lambda: FixedPolicy(k), [], measured, s, table, noise)[0] for s in seeds]) for k in range(9)}
             best = max(fixed, key=fixed.get)
             print(f"{name:13s} prior {prior:.3f}  fixed vs plain: "
                   + " ".join(f"k{k}:{v / fixed[0]:.2f}" for k, v in fixed.items()) + f"  (best k={best})")
             for label, make in policies().items():
-                results = [run(lambda: make(prior), history, measured, s, noise) for s in seeds]
+                results = [run(lambda: make(prior), history, measured, s, table, noise) for s in seeds]
                 print(f"    {label:18s} {np.mean([r[0] for r in results]) / fixed[best]:.3f} of the best fixed k, "
                       f"mean longest draft {np.mean([r[1] for r in results]):.2f}", flush=True)
 

@@ -24,13 +24,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from specdec import zoo
+import replay_agreements  # scripts/replay_agreements.py
 from specdec.policies import CostModel, FixedPolicy, GoodputPolicy
 from specdec.policies.acceptance import rate_from_expected_tokens
 from specdec.policies.simulate import replay_call
-from specdec.workloads import WorkloadGenerator
 
 NEW_TOKENS = 128
 COUNT = int(sys.argv[1]) if len(sys.argv) > 1 else 16
@@ -39,27 +37,7 @@ CACHE = Path(f"/tmp/specdec_agreement_cpu_{COUNT}.json")
 
 def record_agreements() -> dict:
     """workload -> {"agreement": [[bool] * NEW_TOKENS per request], "prompt_tokens": [int]}."""
-    if CACHE.exists():
-        return json.loads(CACHE.read_text())
-    models = zoo.load("cpu")
-    target, drafter = models.target, models.drafters["drafter-2L"]
-    workloads = WorkloadGenerator(models.heldout_texts(), models.tokenizer, prompt_tokens=256).standard(COUNT)
-    out = {}
-    for name, workload in workloads.items():
-        rows, lengths = [], []
-        for ids in workload.prompts():
-            prompt = torch.tensor([ids])
-            with torch.no_grad():
-                generated = target.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                            attention_mask=torch.ones_like(prompt))[0, len(ids):]  # [NEW_TOKENS]
-                logits = drafter(torch.cat([prompt[0], generated])[None]).logits[0]  # [P + N, V]
-            guesses = logits[len(ids) - 1: len(ids) - 1 + NEW_TOKENS].argmax(-1)  # [N] the drafter's token at each position
-            rows.append((guesses == generated).tolist())
-            lengths.append(len(ids))
-        out[name] = {"agreement": rows, "prompt_tokens": lengths}
-        print(f"{name}: drafter-2L agrees with the target at {np.mean(rows):.3f} of positions", flush=True)
-    CACHE.write_text(json.dumps(out))
-    return out
+    return replay_agreements.record_agreements(COUNT, CACHE, NEW_TOKENS)
 
 
 run22 = json.load(open("benchmarks/results/policies_h200_run22.json"))
