@@ -95,12 +95,13 @@ def round_orders(count: int, rounds: int) -> list[list[int]]:
     return [[(i + r) % count for i in range(count)] for r in range(rounds)]
 
 
-def run_rounds(count: int, rounds: int, timed_pass: Callable[[int], tuple[float, list]],
-               labels: Sequence[str] | None = None) -> list[list[tuple[float, list]]]:
-    """Every entry once per round (``round_orders``) -> per entry, per round (seconds, sequences)
-    of ``timed_pass(entry)``. A pass that raises raises RuntimeError naming the entry (its
-    ``labels`` name) and the round."""
-    passes: list[list[tuple[float, list]]] = [[] for _ in range(count)]
+def run_rounds(count: int, rounds: int, timed_pass: Callable[[int], tuple],
+               labels: Sequence[str] | None = None) -> list[list[tuple]]:
+    """Every entry once per round (``round_orders``) -> per entry, per round what
+    ``timed_pass(entry)`` returned: (seconds, sequences), or (seconds, sequences, steps, mean
+    draft tokens). A pass that raises raises RuntimeError naming the entry (its ``labels`` name)
+    and the round."""
+    passes: list[list[tuple]] = [[] for _ in range(count)]
     for number, order in enumerate(round_orders(count, rounds), start=1):
         for entry in order:
             try:
@@ -111,21 +112,29 @@ def run_rounds(count: int, rounds: int, timed_pass: Callable[[int], tuple[float,
     return passes
 
 
-def paired_ratios(policy: list[tuple[float, list]], reference: list[tuple[float, list]]) -> list[float]:
-    """Per round: the policy pass's tokens/s over the reference pass's."""
-    rate = lambda seconds, sequences: sum(map(len, sequences)) / seconds
-    return [rate(*a) / rate(*b) for a, b in zip(policy, reference)]
+def paired_ratios(policy: list[tuple], reference: list[tuple]) -> list[float]:
+    """Per round: the policy pass's tokens/s over the reference pass's (passes as run_rounds returns them)."""
+    rate = lambda timed: sum(map(len, timed[1])) / timed[0]
+    return [rate(a) / rate(b) for a, b in zip(policy, reference)]
 
 
 def record(methods: Sequence, entries: list[int], comparisons: list[tuple[int, int, str]],
-           passes: list[list[tuple[float, list]]], plain_sequences: list) -> dict:
-    """The cell's head-to-head result (JSON): every entry's passes and whether each output equals
-    plain decoding's, and every comparison's paired ratios and their median (``identical``: the
-    policy's passes; a reference's own are in its entry)."""
-    described = [{"method": methods[i].name, "family": methods[i].family, "variant": methods[i].variant,
-                  "pass_seconds": [s for s, _ in passes[e]], "tokens": [sum(map(len, q)) for _, q in passes[e]],
-                  "identical": all(q == plain_sequences for _, q in passes[e])}
-                 for e, i in enumerate(entries)]
+           passes: list[list[tuple]], plain_sequences: list) -> dict:
+    """The cell's head-to-head result (JSON): every entry's passes (their seconds, tokens, and
+    where the passes tell them, steps and mean draft tokens: what an adaptive policy chose in
+    each round) and whether each output equals plain decoding's, and every comparison's paired
+    ratios and their median (``identical``: the policy's passes; a reference's own are in its
+    entry)."""
+    described = []
+    for e, i in enumerate(entries):
+        timed = passes[e]
+        entry = {"method": methods[i].name, "family": methods[i].family, "variant": methods[i].variant,
+                 "pass_seconds": [p[0] for p in timed], "tokens": [sum(map(len, p[1])) for p in timed],
+                 "identical": all(p[1] == plain_sequences for p in timed)}
+        if timed and all(len(p) >= 4 for p in timed):
+            entry["pass_steps"] = [int(p[2]) for p in timed]
+            entry["pass_mean_draft_tokens"] = [float(p[3]) for p in timed]
+        described.append(entry)
     found = []
     for a, b, relation in comparisons:
         paired = paired_ratios(passes[a], passes[b])
@@ -171,4 +180,11 @@ def markdown_lines(records: list[dict], target_table: list[str]) -> list[str]:
             lines.append(f"| {r['workload']} | {r['batch']} | {c['policy']} | {c['reference']} | {c['reference_method']} | "
                          f"{c['median']:.3f} | {' '.join(f'{x:.2f}' for x in c['paired'])} | "
                          f"{'yes' if c['identical'] else 'no'} |")
+    chose = [(r, e) for r in records for e in r["entries"]
+             if e["family"] not in ("plain", "fixed") and e.get("pass_mean_draft_tokens")]
+    if chose:
+        lines += ["", "What the adaptive policies chose head to head, round by round (results since run 27):", "",
+                  "| workload | batch | policy | steps | mean draft tokens |", "|---|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['batch']} | {e['method']} | {' '.join(map(str, e['pass_steps']))} | "
+                  f"{' '.join(f'{k:.2f}' for k in e['pass_mean_draft_tokens'])} |" for r, e in chose]
     return lines

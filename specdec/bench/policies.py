@@ -617,6 +617,13 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     return rows, confirmation
 
 
+def pass_work(outputs: list, tallies: list) -> tuple[int, float]:
+    """A pass's decoding work: its steps over all its calls, and its mean draft tokens per row-step."""
+    steps = int(sum(out.stats.steps for out in outputs))
+    drafted, row_steps = sum(t.drafted_tokens.sum() for t in tallies), sum(t.row_steps.sum() for t in tallies)
+    return steps, float(drafted / max(row_steps, 1))
+
+
 def median_pass_index(passes: list[tuple]) -> int:
     """The median of a method's passes [(seconds, ...)] by time: the slower middle one for an even count."""
     return int(np.argsort([p[0] for p in passes])[len(passes) // 2])
@@ -646,9 +653,9 @@ def time_head_to_head(grid_methods: list[Method], passes: list[list[tuple]], err
             return None
         plain_sequences = pass_sequences(passes[0][0][1])
 
-        def entry_pass(entry: int) -> tuple[float, list]:
-            seconds, outputs, *_ = timed_pass(entries[entry])
-            return seconds, pass_sequences(outputs)
+        def entry_pass(entry: int) -> tuple[float, list, int, float]:
+            seconds, outputs, tallies, *_ = timed_pass(entries[entry])
+            return seconds, pass_sequences(outputs), *pass_work(outputs, tallies)
 
         timed = head_to_head.run_rounds(len(entries), rounds, entry_pass,
                                         labels=[grid_methods[i].name for i in entries])
@@ -701,9 +708,7 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
     # every pass's steps and mean draft, in pass order (the row's own are the median pass's): whether an adaptive
     # policy's choices moved with a pass's timing (a slow pass that drafted less), and whether two runs did the
     # same work in every pass
-    pass_steps = [int(sum(out.stats.steps for out in outs)) for _, outs, *_ in passes]
-    pass_mean_draft = [float(sum(t.drafted_tokens for t in tals).sum() / max(sum(t.row_steps for t in tals).sum(), 1))
-                       for _, _, tals, *_ in passes]
+    pass_steps, pass_mean_draft = (list(work) for work in zip(*(pass_work(outs, tals) for _, outs, tals, *_ in passes)))
     use = {}
     for k, kind in enumerate(KINDS):
         if by_kind_steps[k] > 0 and method.drafters:

@@ -105,6 +105,25 @@ def test_the_record_pairs_each_round_and_reads_the_median():
     passes[0][2], passes[1][0] = (1.1, same), (1.0, other)
     record = head_to_head.record(methods, [5, 0], [(0, 1, "plain")], passes, plain_sequences=same)
     assert record["comparisons"][0]["identical"] and not record["entries"][1]["identical"]
+    assert "pass_steps" not in record["entries"][0]  # passes of (seconds, sequences) say nothing of the work
+
+
+def test_the_record_keeps_each_rounds_work_and_the_report_shows_the_policies():
+    """Passes of (seconds, sequences, steps, mean draft): each entry keeps its steps and mean
+    draft by round, the paired ratios read the first two only, and the report lists the
+    adaptive policies' choices (not plain decoding's)."""
+    methods = cell_methods()
+    same = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    passes = [[(2.0, same, 40, 3.5), (1.0, same, 30, 4.25)], [(1.0, same, 64, 0.0), (1.0, same, 64, 0.0)]]
+    record = head_to_head.record(methods, [5, 0], [(0, 1, "plain")], passes, plain_sequences=same)
+    finish, plain = record["entries"]
+    assert finish["pass_steps"] == [40, 30] and finish["pass_mean_draft_tokens"] == [3.5, 4.25]
+    assert plain["pass_steps"] == [64, 64]
+    assert record["comparisons"][0]["paired"] == pytest.approx([0.5, 1.0])
+    lines = head_to_head.markdown_lines([{**record, "workload": "copy", "batch": 4}], [])
+    chosen = [line for line in lines if line.startswith("| copy | 4 | goodput finish | 40 30 |")]
+    assert chosen == ["| copy | 4 | goodput finish | 40 30 | 3.50 4.25 |"]
+    assert not any(line.startswith("| copy | 4 | plain | 64") for line in lines)
 
 
 def _record(workload, batch, finish_vs_plain, finish_vs_best, call_vs_single, twin=1.0, identical=True):

@@ -101,6 +101,13 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert sorted((r["workload"], r["batch"]) for r in records) == sorted((w, b) for w in result["workloads"] for b in (1, 8))
     for record in records:
         assert record["rounds"] == 2 and all(e["identical"] and len(e["pass_seconds"]) == 2 for e in record["entries"])
+        # each round's work: plain decoding drafts nothing, a fixed pair its length (less the rows' budget caps)
+        for entry in record["entries"]:
+            assert len(entry["pass_steps"]) == 2 and all(s > 0 for s in entry["pass_steps"])
+            if entry["family"] == "plain":
+                assert entry["pass_mean_draft_tokens"] == [0.0, 0.0]
+            elif entry["family"] == "fixed":
+                assert all(0 < k <= 8 for k in entry["pass_mean_draft_tokens"])
         compared = [(c["family"], c["variant"], c["reference"]) for c in record["comparisons"]]
         assert compared[:-1] == [("goodput", "finish", "plain"), ("goodput", "finish", "best_fixed"),
                                  ("batch_adaptive", "", "best_fixed"), ("bandit", "batch-call", "best_single")]
@@ -108,6 +115,7 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert len(result["head_to_head_targets"]) == (2 + 1 + 1) * 3
     report = quick_run.with_suffix(".md").read_text()
     assert "## Targets" in report and "| target | workload | worst ratio |" in report and "## Targets, head to head" in report
+    assert "What the adaptive policies chose head to head, round by round" in report
     assert "Batch sizes measured, by workload: mixed [1, 8]" in report and "Noise check" in report
     for suffix in ("", "_fixed"):
         assert quick_run.with_name(quick_run.stem + suffix + ".png").stat().st_size > 5000
