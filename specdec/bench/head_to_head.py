@@ -99,8 +99,8 @@ def run_rounds(count: int, rounds: int, timed_pass: Callable[[int], tuple],
                labels: Sequence[str] | None = None) -> list[list[tuple]]:
     """Every entry once per round (``round_orders``) -> per entry, per round what
     ``timed_pass(entry)`` returned: (seconds, sequences), or (seconds, sequences, steps, mean
-    draft tokens). A pass that raises raises RuntimeError naming the entry (its ``labels`` name)
-    and the round."""
+    draft tokens, each drafter's share of row-steps). A pass that raises raises RuntimeError
+    naming the entry (its ``labels`` name) and the round."""
     passes: list[list[tuple]] = [[] for _ in range(count)]
     for number, order in enumerate(round_orders(count, rounds), start=1):
         for entry in order:
@@ -121,10 +121,10 @@ def paired_ratios(policy: list[tuple], reference: list[tuple]) -> list[float]:
 def record(methods: Sequence, entries: list[int], comparisons: list[tuple[int, int, str]],
            passes: list[list[tuple]], plain_sequences: list) -> dict:
     """The cell's head-to-head result (JSON): every entry's passes (their seconds, tokens, and
-    where the passes tell them, steps and mean draft tokens: what an adaptive policy chose in
-    each round) and whether each output equals plain decoding's, and every comparison's paired
-    ratios and their median (``identical``: the policy's passes; a reference's own are in its
-    entry)."""
+    where the passes tell them, steps, mean draft tokens and the share of row-steps each of the
+    method's drafters proposed in: what an adaptive policy chose in each round) and whether each
+    output equals plain decoding's, and every comparison's paired ratios and their median
+    (``identical``: the policy's passes; a reference's own are in its entry)."""
     described = []
     for e, i in enumerate(entries):
         timed = passes[e]
@@ -134,6 +134,9 @@ def record(methods: Sequence, entries: list[int], comparisons: list[tuple[int, i
         if timed and all(len(p) >= 4 for p in timed):
             entry["pass_steps"] = [int(p[2]) for p in timed]
             entry["pass_mean_draft_tokens"] = [float(p[3]) for p in timed]
+        names = list(methods[i].drafters)
+        if timed and names and all(len(p) >= 5 and len(p[4]) == len(names) for p in timed):
+            entry["pass_drafter_use"] = [dict(zip(names, map(float, p[4]))) for p in timed]
         described.append(entry)
     found = []
     for a, b, relation in comparisons:
@@ -155,7 +158,8 @@ def twin_ratios(records: list[dict]) -> list[dict]:
 
 def markdown_lines(records: list[dict], target_table: list[str]) -> list[str]:
     """The report's head-to-head section: how the rounds ran, ``target_table`` (the lines of the
-    targets' table, bench.policy_targets.target_table), then every comparison of every cell."""
+    targets' table, bench.policy_targets.target_table), every comparison of every cell, then
+    what the adaptive policies chose round by round (where the record keeps it)."""
     if not records:
         return []
     rounds = sorted({r["rounds"] for r in records if not r.get("error")}) or sorted({r["rounds"] for r in records})
@@ -183,8 +187,13 @@ def markdown_lines(records: list[dict], target_table: list[str]) -> list[str]:
     chose = [(r, e) for r in records for e in r["entries"]
              if e["family"] not in ("plain", "fixed") and e.get("pass_mean_draft_tokens")]
     if chose:
-        lines += ["", "What the adaptive policies chose head to head, round by round (results since run 27):", "",
-                  "| workload | batch | policy | steps | mean draft tokens |", "|---|---|---|---|---|"]
-        lines += [f"| {r['workload']} | {r['batch']} | {e['method']} | {' '.join(map(str, e['pass_steps']))} | "
-                  f"{' '.join(f'{k:.2f}' for k in e['pass_mean_draft_tokens'])} |" for r, e in chose]
+        lines += ["", "What the adaptive policies chose head to head, round by round: steps, mean draft tokens, "
+                  "and each drafter's share of row-steps where the policy has several:", "",
+                  "| workload | batch | policy | steps | mean draft tokens | drafters |", "|---|---|---|---|---|---|"]
+        for r, e in chose:
+            use = e.get("pass_drafter_use") or []
+            shares = "; ".join(" ".join(f"{name} {share:.0%}" for name, share in round_use.items() if share > 0) or "none"
+                               for round_use in use) if use and len(use[0]) > 1 else ""
+            lines.append(f"| {r['workload']} | {r['batch']} | {e['method']} | {' '.join(map(str, e['pass_steps']))} | "
+                         f"{' '.join(f'{k:.2f}' for k in e['pass_mean_draft_tokens'])} | {shares} |")
     return lines

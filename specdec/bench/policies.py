@@ -617,11 +617,13 @@ def measure_cell(target, drafters: dict, grid_methods: list[Method], workload: s
     return rows, confirmation
 
 
-def pass_work(outputs: list, tallies: list) -> tuple[int, float]:
-    """A pass's decoding work: its steps over all its calls, and its mean draft tokens per row-step."""
+def pass_work(outputs: list, tallies: list) -> tuple[int, float, list[float]]:
+    """A pass's (or a call's) decoding work: its steps over all its calls, its mean draft tokens
+    per row-step, and per drafter the share of row-steps in which it proposed."""
     steps = int(sum(out.stats.steps for out in outputs))
     drafted, row_steps = sum(t.drafted_tokens.sum() for t in tallies), sum(t.row_steps.sum() for t in tallies)
-    return steps, float(drafted / max(row_steps, 1))
+    drafting = sum(t.drafting.sum(axis=0) for t in tallies)  # [drafters] row-steps that drafted, by drafter
+    return steps, float(drafted / max(row_steps, 1)), [float(d / max(row_steps, 1)) for d in drafting]
 
 
 def median_pass_index(passes: list[tuple]) -> int:
@@ -653,7 +655,7 @@ def time_head_to_head(grid_methods: list[Method], passes: list[list[tuple]], err
             return None
         plain_sequences = pass_sequences(passes[0][0][1])
 
-        def entry_pass(entry: int) -> tuple[float, list, int, float]:
+        def entry_pass(entry: int) -> tuple[float, list, int, float, list[float]]:
             seconds, outputs, tallies, *_ = timed_pass(entries[entry])
             return seconds, pass_sequences(outputs), *pass_work(outputs, tallies)
 
@@ -708,7 +710,8 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
     # every pass's steps and mean draft, in pass order (the row's own are the median pass's): whether an adaptive
     # policy's choices moved with a pass's timing (a slow pass that drafted less), and whether two runs did the
     # same work in every pass
-    pass_steps, pass_mean_draft = (list(work) for work in zip(*(pass_work(outs, tals) for _, outs, tals, *_ in passes)))
+    works = [pass_work(outs, tals) for _, outs, tals, *_ in passes]
+    pass_steps, pass_mean_draft = [w[0] for w in works], [w[1] for w in works]
     use = {}
     for k, kind in enumerate(KINDS):
         if by_kind_steps[k] > 0 and method.drafters:
@@ -730,7 +733,7 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
         # the median pass's calls one by one: steps and mean draft, and the last call's trace (a learning policy's
         # later calls start from what its earlier ones taught it)
         "call_steps": [t.steps for t in tallies],
-        "call_mean_draft_tokens": [float(t.drafted_tokens.sum() / max(t.row_steps.sum(), 1)) for t in tallies],
+        "call_mean_draft_tokens": [pass_work([out], [t])[1] for out, t in zip(outputs, tallies)],
         **({"last_call_trace": tallies[-1].trace} if method.family != "fixed" and len(tallies) > 1 else {}),
         "policy_ms_per_step": 1e3 * sum(t.policy_s for t in tallies) / max(sum(t.steps for t in tallies), 1),
         **({"calibration": {"base_scale": {str(b): v for b, v in sorted(calibration.base_scale.items())},

@@ -109,20 +109,25 @@ def test_the_record_pairs_each_round_and_reads_the_median():
 
 
 def test_the_record_keeps_each_rounds_work_and_the_report_shows_the_policies():
-    """Passes of (seconds, sequences, steps, mean draft): each entry keeps its steps and mean
-    draft by round, the paired ratios read the first two only, and the report lists the
-    adaptive policies' choices (not plain decoding's)."""
+    """Passes of (seconds, sequences, steps, mean draft, drafter shares): each entry keeps its
+    steps, mean draft and, by name, its drafters' shares by round; the paired ratios read the
+    first two only, and the report lists the adaptive policies' choices (not plain decoding's),
+    with the shares where a policy has several drafters."""
     methods = cell_methods()
     same = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
-    passes = [[(2.0, same, 40, 3.5), (1.0, same, 30, 4.25)], [(1.0, same, 64, 0.0), (1.0, same, 64, 0.0)]]
-    record = head_to_head.record(methods, [5, 0], [(0, 1, "plain")], passes, plain_sequences=same)
-    finish, plain = record["entries"]
+    passes = [[(2.0, same, 40, 3.5, [1.0]), (1.0, same, 30, 4.25, [0.75])],
+              [(1.0, same, 40, 4.0, [0.25, 0.5]), (1.0, same, 20, 4.0, [0.0, 1.0])],
+              [(1.0, same, 64, 0.0, []), (1.0, same, 64, 0.0, [])]]
+    record = head_to_head.record(methods, [5, 7, 0], [(0, 2, "plain"), (1, 2, "plain")], passes, plain_sequences=same)
+    finish, bandit, plain = record["entries"]
     assert finish["pass_steps"] == [40, 30] and finish["pass_mean_draft_tokens"] == [3.5, 4.25]
-    assert plain["pass_steps"] == [64, 64]
+    assert finish["pass_drafter_use"] == [{"d": 1.0}, {"d": 0.75}]
+    assert bandit["pass_drafter_use"] == [{"lookup": 0.25, "d": 0.5}, {"lookup": 0.0, "d": 1.0}]
+    assert plain["pass_steps"] == [64, 64] and "pass_drafter_use" not in plain
     assert record["comparisons"][0]["paired"] == pytest.approx([0.5, 1.0])
     lines = head_to_head.markdown_lines([{**record, "workload": "copy", "batch": 4}], [])
-    chosen = [line for line in lines if line.startswith("| copy | 4 | goodput finish | 40 30 |")]
-    assert chosen == ["| copy | 4 | goodput finish | 40 30 | 3.50 4.25 |"]
+    assert "| copy | 4 | goodput finish | 40 30 | 3.50 4.25 |  |" in lines
+    assert "| copy | 4 | bandit call | 40 20 | 4.00 4.00 | lookup 25% d 50%; d 100% |" in lines
     assert not any(line.startswith("| copy | 4 | plain | 64") for line in lines)
 
 

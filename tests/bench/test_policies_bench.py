@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from specdec.__main__ import main
-from specdec.bench.policies import (kind_oracle_bound, markdown, merge, policy_targets, same_decision_pairs,
+from specdec.bench.policies import (kind_oracle_bound, markdown, merge, pass_work, policy_targets, same_decision_pairs,
                                     timing_conditions)
 from specdec.bench.policy_targets import head_to_head_targets
 from specdec.policies import CostModel, FixedPolicy
@@ -27,6 +28,19 @@ def quick_run(tiny_zoo_root, tmp_path_factory):
     assert main(argv) == 0
     [path] = [p for p in out.glob("policies_tiny_cpu_*.json") if p.name.count(".") == 1]
     return path
+
+
+def test_pass_work_sums_a_passs_calls():
+    """Two calls: 10 + 6 steps; row-steps 30 + 20 (by kind), of which drafted 90 + 10 tokens ->
+    mean draft 100 / 50 = 2.0; drafter 0 proposed in 25 + 0 row-steps, drafter 1 in 5 + 10."""
+    output = lambda steps: SimpleNamespace(stats=SimpleNamespace(steps=steps))
+    tally = lambda row_steps, drafted, drafting: SimpleNamespace(
+        row_steps=np.array(row_steps, dtype=float), drafted_tokens=np.array(drafted, dtype=float),
+        drafting=np.array(drafting, dtype=float))
+    tallies = [tally([20, 10], [60, 30], [[20, 0], [5, 5]]), tally([0, 20], [0, 10], [[0, 0], [0, 10]])]
+    steps, mean_draft, use = pass_work([output(10), output(6)], tallies)
+    assert steps == 16 and mean_draft == pytest.approx(2.0) and use == pytest.approx([0.5, 0.3])
+    assert pass_work([output(3)], [tally([0, 0], [0, 0], [[0, 0], [0, 0]])]) == (3, 0.0, [0.0, 0.0])
 
 
 def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
@@ -108,6 +122,9 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
                 assert entry["pass_mean_draft_tokens"] == [0.0, 0.0]
             elif entry["family"] == "fixed":
                 assert all(0 < k <= 8 for k in entry["pass_mean_draft_tokens"])
+            if entry["family"] == "bandit":  # the call bandit: per round, its drafters' shares of row-steps
+                assert all(set(use) == set(result["drafters"]) and 0 < sum(use.values()) <= 1
+                           for use in entry["pass_drafter_use"])
         compared = [(c["family"], c["variant"], c["reference"]) for c in record["comparisons"]]
         assert compared[:-1] == [("goodput", "finish", "plain"), ("goodput", "finish", "best_fixed"),
                                  ("batch_adaptive", "", "best_fixed"), ("bandit", "batch-call", "best_single")]
