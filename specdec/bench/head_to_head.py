@@ -192,8 +192,9 @@ def markdown_lines(records: list[dict], target_table: list[str]) -> list[str]:
                   "| workload | batch | policy | steps | mean draft tokens | drafters |", "|---|---|---|---|---|---|"]
         for r, e in chose:
             use = e.get("pass_drafter_use") or []
-            shares = "; ".join(" ".join(f"{name} {share:.0%}" for name, share in round_use.items() if share > 0) or "none"
-                               for round_use in use) if use and len(use[0]) > 1 else ""
+            rounds = [" ".join(f"{name} {share:.0%}" for name, share in round_use.items() if share > 0) or "none"
+                      for round_use in use] if use and len(use[0]) > 1 else []
+            shares = f"{rounds[0]}, every round" if rounds and len(set(rounds)) == 1 else "; ".join(rounds)
             lines.append(f"| {r['workload']} | {r['batch']} | {e['method']} | {' '.join(map(str, e['pass_steps']))} | "
                          f"{' '.join(f'{k:.2f}' for k in e['pass_mean_draft_tokens'])} | {shares} |")
     return lines

@@ -129,6 +129,9 @@ def test_the_record_keeps_each_rounds_work_and_the_report_shows_the_policies():
     assert "| copy | 4 | goodput finish | 40 30 | 3.50 4.25 |  |" in lines
     assert "| copy | 4 | bandit call | 40 20 | 4.00 4.00 | lookup 25% d 50%; d 100% |" in lines
     assert not any(line.startswith("| copy | 4 | plain | 64") for line in lines)
+    bandit["pass_drafter_use"][1] = dict(bandit["pass_drafter_use"][0])  # the same shares in every round: said once
+    lines = head_to_head.markdown_lines([{**record, "workload": "copy", "batch": 4}], [])
+    assert "| copy | 4 | bandit call | 40 20 | 4.00 4.00 | lookup 25% d 50%, every round |" in lines
 
 
 def _record(workload, batch, finish_vs_plain, finish_vs_best, call_vs_single, twin=1.0, identical=True):
