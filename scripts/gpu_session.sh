@@ -114,10 +114,11 @@ fi
 [[ " $PARTS " =~ " policies " ]] && $RUN -m specdec bench --policies --preset gpu --device cuda \
   ${POLICY_ARGS:---num-prompts 32 --time-limit-s 330} --out "$OUT" 2>&1 | quiet | tee "$OUT/policies.log" | tail -30; pack
 # one part of a policies run: policies_part NAME ARGS... (full log under $OUT, progress lines shown).
-# The length policies draft with $POLICY_DRAFTER (default drafter-4L-narrow, as in runs 3-26): left to the
+# The length policies draft with $POLICY_DRAFTER (default drafter-4L-narrow, as in run 26 and most before): left to the
 # bench, they take the model drafter of least held-out loss, and the zoo's GPU training is not
 # bit-reproducible, so run 27's build picked drafter-2L (loss 2.655 against 4L-narrow's 2.679; run 26:
 # 2.841 and 2.648) and its runs did not compare with run 26's. POLICY_DRAFTER="" leaves it to the bench
+# (such parts do not merge with named ones: the merge compares policy_drafter)
 policies_part() {
   local name=$1; shift
   local drafter=${POLICY_DRAFTER-drafter-4L-narrow}
