@@ -190,11 +190,16 @@ def markdown_lines(records: list[dict], target_table: list[str]) -> list[str]:
         lines += ["", "What the adaptive policies chose head to head, round by round: steps, mean draft tokens, "
                   "and each drafter's share of row-steps where the policy has several:", "",
                   "| workload | batch | policy | steps | mean draft tokens | drafters |", "|---|---|---|---|---|---|"]
-        for r, e in chose:
-            use = e.get("pass_drafter_use") or []
-            rounds = [" ".join(f"{name} {share:.0%}" for name, share in round_use.items() if share > 0) or "none"
-                      for round_use in use] if use and len(use[0]) > 1 else []
-            shares = f"{rounds[0]}, every round" if rounds and len(set(rounds)) == 1 else "; ".join(rounds)
-            lines.append(f"| {r['workload']} | {r['batch']} | {e['method']} | {' '.join(map(str, e['pass_steps']))} | "
-                         f"{' '.join(f'{k:.2f}' for k in e['pass_mean_draft_tokens'])} | {shares} |")
+        lines += [f"| {r['workload']} | {r['batch']} | {e['method']} | {' '.join(map(str, e['pass_steps']))} | "
+                  f"{' '.join(f'{k:.2f}' for k in e['pass_mean_draft_tokens'])} | {_drafter_shares(e)} |" for r, e in chose]
     return lines
+
+
+def _drafter_shares(entry: dict) -> str:
+    """An entry's drafter shares by round ("a 25% b 50%; b 100%"), said once with ", every round"
+    when every round had the same; empty for a method of one drafter (or none recorded)."""
+    use = entry.get("pass_drafter_use") or []
+    if not use or len(use[0]) < 2:
+        return ""
+    rounds = [" ".join(f"{name} {share:.0%}" for name, share in shares.items() if share > 0) or "none" for shares in use]
+    return f"{rounds[0]}, every round" if len(set(rounds)) == 1 else "; ".join(rounds)
