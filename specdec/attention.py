@@ -16,42 +16,16 @@ tokens of one row. Linear layers and MLPs outside attention see only real tokens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from transformers import AttentionInterface
 
-from .cache import KVCache
+from .attention_metadata import METADATA_KWARG, AttentionMetadata
+from .compiled_attention import cached_packed_attention
 
 ATTENTION_NAME = "specdec"
-METADATA_KWARG = "specdec_metadata"
-
-
-@dataclass
-class AttentionMetadata:
-    cache: KVCache
-    token_rows: torch.Tensor  # [N] cache row of each packed token
-    token_positions: torch.Tensor  # [N] position of each packed token in its row
-    token_group: torch.Tensor  # [N] group (contiguous run of one row) of each token
-    token_slot: torch.Tensor  # [N] index of each token within its group
-    group_rows: torch.Tensor  # [G] cache row of each group
-    group_first_token: torch.Tensor  # [G] packed index of each group's first token
-    group_counts: torch.Tensor  # [G] tokens per group
-    group_query_positions: torch.Tensor  # [G, Q] position of each query slot (0 in empty slots)
-    max_group_tokens: int  # host: Q, the most tokens in one group
-    max_kv_len: int  # host: 1 + the largest position in the pass
-    backend: Callable
-
-    def on(self, device: torch.device) -> "AttentionMetadata":
-        """The same description with its tensors on ``device``, made once per device: a model
-        whose layers sit on several devices (``device_map``) reads it in each layer's own."""
-        copies = self.__dict__.setdefault("_copies", {})
-        if device not in copies:
-            moved = {name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-                     for name, value in vars(self).items() if name != "_copies"}
-            copies[device] = AttentionMetadata(**moved)
-        return copies[device]
+__all__ = ["ATTENTION_NAME", "BACKENDS", "METADATA_KWARG", "AttentionMetadata", "specdec_attention"]
 
 
 def reference_attention(
@@ -113,8 +87,6 @@ def fast_attention(
 
     layer_idx = module.layer_idx
     if torch.compiler.is_compiling():  # torch.compile sees one opaque op (compiled_attention.py)
-        from .compiled_attention import cached_packed_attention
-
         return cached_packed_attention(query, key, value, meta, layer_idx, scaling, sliding_window)
     meta.cache.write(layer_idx, meta.token_rows, meta.token_positions, key[0], value[0])
     output = packed_attention(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention_metadata import AttentionMetadata
 from .cache import store
 
 

@@ -95,6 +95,11 @@ def run(target, drafters: dict, prompts, batch_sizes=(1, 8), num_draft_tokens=4,
     return rows
 
 
+# printed under the table: what the speed-ups of small models on this machine mean
+READING = ("speed-up is wall time on this machine: models this small are bound by per-step overhead (on a CPU, "
+           "or a GPU without CUDA graphs), so drafting gains little or loses here; tau, tokens per target pass, is "
+           "the gain that carries over; `python -m specdec bench` on a GPU measures the speed (BENCHMARKS.md)")
+
 HEADER = f"{'method':<30} {'batch':>5} {'tok/s':>9} {'speed-up':>8} {'tau':>5}  {'acceptance at 1..4':<23} identical"
 
 
@@ -135,6 +140,7 @@ def main(preset: str = "cpu", device: str = "cpu", json_path: str | None = None,
     print(HEADER)
     print("-" * len(HEADER))
     rows = run(zoo.target, drafters, prompts, (1, 8), num_draft_tokens, max_new_tokens, tokenizer.eos_token_id)
+    print(READING)
     matches_hf = plain_matches_hugging_face(zoo.target, prompts[0], max_new_tokens, tokenizer.eos_token_id)
     print(f"plain decoding through specdec equals Hugging Face generate() on prompt 0: {'yes' if matches_hf else 'NO'}")
     if json_path:

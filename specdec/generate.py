@@ -178,8 +178,8 @@ def _bounded(plan: Plan, batch: BatchState) -> Plan:
 def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: torch.device, vocab_size: int,
              timer: PhaseTimer) -> Draft:
     """The step's draft: only the drafters some row asks for tokens are called (a drafter asked
-    for nothing costs nothing: run 7's probe measured 0.2-0.4 ms per step for an idle prompt
-    lookup and 0.1 ms for an idle model drafter, which every multi-drafter step paid); with one
+    for nothing costs nothing, whereas calling an idle drafter still costs host time, which
+    every multi-drafter step would pay); with one
     drafter asked its draft is the step's, with several they are merged by row."""
     if plan.max_draft_tokens == 0:
         return empty_draft(batch.num_rows, device)

@@ -14,23 +14,20 @@ per layer (normalisation, rotary embedding, activations, residual adds) that oth
 small-batch step; the graphs then replay the compiled kernels. Compilation also happens only in
 ``capture()``.
 
-A property the CUDA tests and ``scripts/bf16_shape_probe.py`` check, compiled or not: a pass's
+A property the CUDA tests and ``experiments/bf16_shape_probe.py`` check, compiled or not: a pass's
 logits are bitwise the same whichever bucket replays it (bf16 included), so the padding a pass
 gets does not decide a near-tie. (It also rests on cuBLAS giving a row the same product whatever
-the number of rows, which the probe measured on an H200 for the zoo's shapes.) Compiled, it needs
+the number of rows, which the probe checks for the zoo's shapes.) Compiled, it needs
 one compiled variant for every bucket, and Dynamo does not give that by itself:
 - it compiles a variant of its own for size 1 (it specialises sizes 0 and 1);
 - when the first size it traces is the largest bucket, it compiles one for that bucket alone (the
   token view then spans the whole buffer, and Dynamo guards on that stride);
 - duck sizing ties sizes that happen to be equal at the first trace (bucket 2 against another
   input dimension of size 2), and recompiles when they part.
-Variants differ in their kernels, hence in bf16 rounding. On an H200 the largest bucket's own
-variant changed 3.7% of a 448-token pass's bf16 logits and broke near-ties: verification of
-k = 8 at 64 rows differed from plain decoding in 29 of 64 rows
-(``benchmarks/results/bf16_shape_probe_h200_compile_library.json``). So compiled buckets start at
-2 tokens (a 1-token pass runs with one filler token), and ``capture()`` traces them smallest
-first, with duck sizing off, before capturing them largest first; with that, no bucket's logits
-differed and no row diverged (``..._compile_fixed.json``).
+Variants differ in their kernels, hence in bf16 rounding, enough to break near-ties and make
+verification diverge from plain decoding. So compiled buckets start at 2 tokens (a 1-token pass
+runs with one filler token), and ``capture()`` traces them smallest first, with duck sizing off,
+before capturing them largest first, so that one variant serves every bucket.
 
 Per replay the host gathers all of the pass's integers into one array and copies it into the
 static buffers in one non-blocking transfer (``transfer.to_device``): no synchronisation.

@@ -20,10 +20,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .transfer import to_device
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, BACKENDS, METADATA_KWARG, AttentionMetadata
+from .transfer import to_device
+
+from .attention import ATTENTION_NAME, BACKENDS
+from .attention_metadata import METADATA_KWARG, AttentionMetadata
 from .cache import KVCache
 
 
@@ -70,6 +72,26 @@ def device_of(model: torch.nn.Module) -> torch.device:
 def is_split(model: torch.nn.Module) -> bool:
     """Whether the model's parameters sit on more than one device (``device_map``)."""
     return len({p.device for p in model.parameters()}) > 1
+
+
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` computes: accelerate's hook says so for a dispatched (or offloaded) module,
+    else its parameters' device."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return next(module.parameters()).device
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _hidden_states_to(device: torch.device):
+    """A forward hook for a split model's decoder: hands its last hidden state to ``device``, where
+    the language-model head computes and the runner puts the indices of the logits it keeps (the
+    head's model slices the hidden states with them before the head runs)."""
+    def hook(module, args, output):
+        if hasattr(output, "last_hidden_state") and output.last_hidden_state.device != device:
+            output.last_hidden_state = output.last_hidden_state.to(device)
+        return output
+    return hook
 
 
 def check_supported(model: object) -> None:
@@ -139,9 +161,9 @@ def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = Fa
                     compile: bool = False) -> tuple[str, bool, bool]:
     """-> (attention, cuda_graphs, compile). "auto" picks the fast Triton attention for a CUDA
     model in a dtype the kernel takes, and the reference backend otherwise; cuda_graphs="auto"
-    follows the fast backend. Graphs are opt-in until an intermittent capture failure, fixed in
-    e145929, has stayed away (BENCHMARKS.md). compile fuses the small kernels of the graphed
-    passes with torch.compile, so it needs graphs."""
+    follows the fast backend; graphs are otherwise opt-in, since capturing them costs an explicit
+    warm-up and memory per bucket. compile fuses the small kernels of the graphed passes with
+    torch.compile, so it needs graphs."""
     # one CUDA device: a model split over devices (device_map) runs the reference backend for now
     fast_possible = not is_split(model) and device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
     if attention == "auto":
@@ -204,6 +226,9 @@ class ModelRunner:
             raise ValueError("the fast attention backend needs the whole model on one GPU; this one is split over "
                              "several devices (device_map): use attention='reference' (or 'auto')")
         self.vocab_size = vocab_size_of(model)
+        # a split model computes its head where accelerate put it, maybe another GPU than the embeddings
+        self.split = is_split(model)
+        self.head_device = execution_device(model.get_output_embeddings()) if self.split else self.device
         text_config = model.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         # the largest position id the model embeds; only pad slots of a padded layout exceed it
@@ -262,9 +287,15 @@ class ModelRunner:
         was_training = self.model.training
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.model.eval()
+        decoder = self.model.base_model
+        hook = None
+        if self.split and decoder is not self.model:
+            hook = decoder.register_forward_hook(_hidden_states_to(self.head_device))
         try:
             yield self
         finally:
+            if hook is not None:
+                hook.remove()
             self.model.set_attn_implementation(previous_attention)
             self.model.train(was_training)
 
@@ -293,7 +324,7 @@ class ModelRunner:
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
         meta = packed_metadata(layout, self.cache, self.device, self.backend)
-        keep = 0 if logits_indices is None else to_device(logits_indices, self.device)
+        keep = 0 if logits_indices is None else to_device(logits_indices, self.head_device)
         position_ids = meta.token_positions
         if self.max_position_id is not None:
             position_ids = position_ids.clamp(max=self.max_position_id - 1)

@@ -3,6 +3,7 @@
 import json
 
 from specdec.__main__ import main
+from specdec.demo import HEADER, READING
 
 
 def test_demo_table_is_identical_everywhere(tiny_zoo_root, tmp_path, capsys):
@@ -16,7 +17,11 @@ def test_demo_table_is_identical_everywhere(tiny_zoo_root, tmp_path, capsys):
     assert {r["batch"] for r in rows} == {1, 8} and len(rows) == 8
     assert all(r["identical"] for r in rows) and result["plain_matches_hugging_face"]
     assert all(r["tau"] >= 1.0 for r in rows)
-    assert "equals Hugging Face generate() on prompt 0: yes" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "equals Hugging Face generate() on prompt 0: yes" in printed
+    # the line right under the table says what the speed-ups of tiny models mean
+    lines = printed.splitlines()
+    assert lines[lines.index(HEADER) + 2 + len(rows)] == READING
 
 
 def test_zoo_prompts_export(tiny_zoo_root, tmp_path):

@@ -74,3 +74,49 @@ def test_fast_attention_and_graphs_refuse_a_split_target():
         generate(split, [[1, 2, 3]], max_new_tokens=2, attention="fast")
     with pytest.raises(ValueError, match="CUDA graphs need the whole model on one device"):
         generate(split, [[1, 2, 3]], max_new_tokens=2, attention="reference", cuda_graphs=True)
+
+
+def _two_gpus():
+    return pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs two CUDA GPUs (run `pytest -m cuda` on a machine with two)")
+
+
+# "balanced": accelerate spreads the layers over both GPUs with the head on the second, the layout
+# device_map="auto" gives a target too big for one GPU; "norm-apart": the final norm on the second
+# GPU and the head back on the first, so the head's device is neither the embeddings' nor the
+# decoder output's.
+TWO_GPU_MAPS = {
+    "balanced": "balanced",
+    "norm-apart": {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                   "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 0},
+}
+
+
+@pytest.mark.cuda
+@_two_gpus()
+@pytest.mark.parametrize("device_map", sorted(TWO_GPU_MAPS))
+@pytest.mark.parametrize("drafting", ["plain", "prompt-lookup", "model-drafter-on-cuda1"])
+def test_a_target_split_over_two_gpus_decodes_as_the_whole_model(tmp_path, device_map, drafting):
+    """A zoo-like target loaded with from_pretrained(device_map=...) over cuda:0 and cuda:1 decodes
+    exactly as the unsplit model on cuda:0 (float32, reference attention on both), with each
+    drafter; its layers' caches sit on both GPUs."""
+    from transformers import AutoModelForCausalLM
+
+    whole = make_model("llama", num_layers=4, dtype=torch.float32)
+    whole.save_pretrained(tmp_path)
+    whole = whole.to("cuda:0")
+    prompts = random_prompts(4, 96, seed=3, min_len=3)
+    expected = generate(whole, prompts, policy=FixedPolicy(0), max_new_tokens=20, attention="reference").sequences
+    split = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=TWO_GPU_MAPS[device_map], dtype=torch.float32)
+    assert {p.device for p in split.parameters()} == {torch.device("cuda", 0), torch.device("cuda", 1)}
+    if drafting == "plain":
+        out = generate(split, prompts, policy=FixedPolicy(0), max_new_tokens=20)
+    else:
+        drafter = (PromptLookupDrafter() if drafting == "prompt-lookup"
+                   else ModelDrafter(perturbed_copy(whole, 0.02).to("cuda:1")))
+        out = generate(split, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20)
+    assert out.sequences == expected
+    if drafting == "model-drafter-on-cuda1":
+        assert out.stats.tau > 1.0
+    keys = runners_of(split)["target"].cache.keys
+    assert {k.device for k in keys} == {torch.device("cuda", 0), torch.device("cuda", 1)}

@@ -1,20 +1,16 @@
 """Timing conditions of the benchmark's passes: where the host thread runs, how many intra-op
 threads torch keeps, and whether the GPU's clocks are up when a pass starts.
 
-At the zoo's sizes a decoding step is host-bound (the H200 runs a graphed step of the target in
-a fraction of the ~1.4 ms the step takes), so a pass's time follows the speed of the core the
-Python thread runs on. Session 4's policy runs ran at two speeds from pass to pass (up to 1.7x).
-Pinning the main thread to one core on the GPU's own NUMA node is the remedy tried here; the
-noise probe (``scripts/noise_probe.py``) measures whether it narrows the spread.
-
-The probe found two more conditions that narrow the spread (slowest pass over fastest, 10
-passes of batch 16 on one H200): one torch thread (``torch_threads(1)``: no idle intra-op workers
-spinning beside the main thread) 1.09-1.10 against 1.33-1.54 by default, and 50 ms of GPU work
-right before each pass (``warm_gpu``: the GPU clocks down while the host prepares the next pass)
-1.05-1.06; the policy bench applies both by default (the warm-up for 30 ms).
+At the zoo's sizes a decoding step is host-bound (the GPU runs a graphed step of the target in
+a fraction of the step's time), so a pass's time follows the speed of the core the Python thread
+runs on, and passes of the same work can run at different speeds. Remedies: the main thread
+pinned to one core on the GPU's own NUMA node (``pinned``, opt-in), and two that narrow the
+spread: one torch thread (``torch_threads(1)``: no idle intra-op workers spinning beside the main
+thread) and GPU work right before each pass (``warm_gpu``: the GPU clocks down while the host
+prepares the next pass), which the policy bench applies by default.
 
 Invariant: these change where and when work runs, never what it computes; each context manager
-restores what it changed on exit.
+restores what it changed on exit. Cost: the warm-up's milliseconds of GPU work before each pass.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ median pass. Two things blur a target read from it:
 - the winner's curse: the best fixed length in hindsight is the fastest of up to 13 medians, each
   off by the machine's noise, so the one that comes out fastest is more often than not one that
   drew a lucky spell, and every policy reads low against it;
-- the noise itself: on the H200 machines the median of 4-5 passes of the very same work moved by
-  up to 10-20% (the A/A check of runs 10-18: 0.81-1.08).
+- the noise itself: the median of a few passes of the very same work moves from round to round
+  by as much as the margins the targets judge (``policy_targets.same_decision_pairs``).
 
 So each cell then times the targets' policies (``CONTENDERS``) and their references as the grid
 chose them (plain decoding; the best fixed length of the policy's drafter; the best single
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 # the policies timed head to head: (family, variant); GoodputPolicy "finish" and the call bandit
-# are the variants BENCHMARKS.md reads the targets from (runs 16-18)
+# are the variants BENCHMARKS.md reads the targets from
 CONTENDERS = (("goodput", "finish"), ("batch_adaptive", ""), ("bandit", "batch-call"))
 # each family's references, as issue 5's targets name them
 REFERENCES = {"goodput": ("plain", "best_fixed"), "batch_adaptive": ("best_fixed",), "bandit": ("best_single",)}

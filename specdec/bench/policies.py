@@ -81,13 +81,11 @@ from .policy_targets import (
 )
 
 LOOKUP = "prompt lookup"
-# the bandits measured: variant -> (strategy, scope, objective). "joint-finish" (joint scope,
-# objective "finish") ran in runs 7-9 (0.61-0.71 of the best single drafter) and made way for
-# "batch-finish" in run 10, which the time limit of one GPU call left no room to add beside it.
-# The batch-scope variants play UCB since switches are charged (run 14 on): the epoch schedule's
-# round robin switches at every turn, and on synthetic drafters 3-8% apart with a switch worth 2
-# extra steps it made 0.87x UCB's tokens per second (tests/policies/test_bandit.py's simulation).
-# "batch-call" (run 16 on) plays one drafter per call, rewarded by the whole call
+# the bandits measured: variant -> (strategy, scope, objective). The batch-scope variants play
+# UCB since switches are charged: the epoch schedule's round robin switches at every turn, and
+# on synthetic drafters 3-8% apart with a switch worth 2 extra steps it made 0.87x UCB's tokens
+# per second (tests/policies/test_bandit.py's simulation). "batch-call" plays one drafter per
+# call, rewarded by the whole call
 BANDIT_VARIANTS = {"ucb": ("ucb", "request", "step"), "epoch": ("epoch", "request", "step"),
                    "batch-level": ("ucb", "batch", "step"), "batch-finish": ("ucb", "batch", "finish"),
                    "batch-call": ("ucb", "batch", "call"), "joint": ("ucb", "joint", "step")}
@@ -104,14 +102,14 @@ class PolicyBenchSettings:
     compile: bool | None = None  # torch.compile inside the CUDA graphs; None: with graphs
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
     num_prompts: int = 64  # requests per workload at batch >= 2 (at least pass_calls x the batch size)
-    # calls of B per timed pass at batch B >= 2, at least: a pass of one call lasts 0.13-0.3 s at
-    # batch 16 and 64, and run 17's machine put its median pass 10% (90th percentile 25%) above
-    # its fastest; a longer pass averages the host's hiccups over more steps
+    # calls of B per timed pass at batch B >= 2, at least: a pass of one call at batch 16 and 64
+    # lasts a fraction of a second, short enough for the host's hiccups to move it; a longer pass
+    # averages them over more steps
     pass_calls: int = 1
     batch1_prompts: int = 8  # requests per workload at batch 1, one call each
     # a file's beginning of up to 256 tokens leaves a copy request ~190 tokens of already-seen text
-    # to reproduce, more than max_new_tokens: at 128 only ~100 were, and even a perfect copier's
-    # prompt lookup tau at k=4 was 2.8 (run 3), not a workload where prompt lookup shines
+    # to reproduce, more than max_new_tokens: at 128 only ~100 were, fewer than the tokens decoded,
+    # so even a perfect copier ran out of text to copy: not a workload where prompt lookup shines
     prompt_tokens: int = 256
     max_new_tokens: int = 128
     workloads: tuple[str, ...] = ("mixed", "copy", "continuation")
@@ -131,21 +129,17 @@ class PolicyBenchSettings:
     profile_prompts: int = 16
     # the profile's new tokens per request, as many as the runs decode: greedy text grows more
     # predictable as it goes on, so a shorter profile reads a lower tau and favours shorter drafts
-    # (at 32, run 4: tau 2.8-3.1 at k=4 against 3.8-4.1 in the 128-token runs; at 64, run 12:
-    # BatchAdaptivePolicy's table drafted 2 on `mixed` at batch 16 and 64, where k = 4 ran 1.16x and
-    # 1.04x faster)
+    # than the timed passes want
     tau_profile_tokens: int = 128
     tau_profile_repeats: int = 3  # measured rounds per (batch size, length) of BatchAdaptivePolicy's profile (median)
     warmup_tokens: int = 8  # new tokens of each untimed warm-up call
     # held-out requests each learning policy (GoodputPolicy, BanditPolicy) serves, untimed, before
     # its timed passes, which each start from a copy of what it learnt (a policy in service has a
-    # past; fresh, the bandits spent the whole of a batch-64 call exploring, runs 4-9): at batch B,
+    # past; a fresh bandit can spend a whole call exploring): at batch B,
     # max(history_calls x B, history_prompts) in calls of B; at batch 1, batch1_prompts; 0: every
-    # pass starts fresh. With one call at batch 16 and 64 (runs 10-14) the batch-scope bandits
-    # explored a model drafter for one visit of 3 steps and never again; with 4 calls (runs 15-16)
-    # the one-drafter-per-call bandit had pulled its drafters [1, 2, 1] times and each timed pass
-    # explored (a simulation of its UCB over drafters 15% apart: the pass after 4 calls plays the
-    # best in 30% of seeds, after 8 in 90%)
+    # pass starts fresh. A history of few calls leaves a batch-scope bandit few pulls per drafter,
+    # so its timed passes still explore (a simulation of the one-drafter-per-call bandit's UCB over
+    # drafters 15% apart: the pass after 4 calls plays the best in 30% of seeds, after 8 in 90%)
     history_prompts: int = 16
     history_calls: int = 8
     repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
@@ -328,7 +322,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
     generator = WorkloadGenerator(zoo.heldout_texts(), tokenizer, settings.prompt_tokens, seed=settings.seed)
     workloads = generator.standard(count, settings.workloads, mixed_fraction=settings.mixed_fraction)
     # every held-out request of the profile at every batch size, in calls of at most the largest
-    # batch size (run 4's batch-1 part profiled one request: its tau said 2.1 where runs got 3.9)
+    # batch size (a profile of one request reads that file's tau, not the workload's)
     profile_rows = max(1, settings.profile_prompts, max(settings.batch_sizes))
     held_out = generator.standard(profile_rows, settings.workloads, offset=count, mixed_fraction=settings.mixed_fraction)
     # the learning policies' past: more held-out requests, after the profile's
@@ -408,14 +402,14 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         context = int(np.mean([len(p) for p in all_prompts])) + settings.max_new_tokens // 2
         tables, priors, result["tau_profile"] = {}, {}, {}
         for name in settings.workloads:
-            # the table from measured rounds at the experiment's batch sizes (the paper's short profile);
-            # the fitted cost model under-predicted speculative steps at batch 64 in the first H200 run
+            # the table from measured rounds at the experiment's batch sizes (the paper's short profile),
+            # not from the fitted cost model, which can mispredict speculative steps at large batch sizes
             policy = BatchAdaptivePolicy.from_measurements(
                 target, drafters[policy_drafter], held_out[name].prompts(), batch_sizes=sorted(set(batch_sizes)),
                 draft_lengths=sorted({0, 1, 2, 3, 4, 6, settings.max_draft_tokens}), max_new_tokens=settings.tau_profile_tokens,
                 repeats=settings.tau_profile_repeats, requests_per_size=max(1, settings.profile_prompts), **options)
-            # the prior from the same calls' tau per length, pooled over them (until run 17 a profile
-            # of its own, every length 1..K once more: 40 s of a batch-1 part's 160 s of profile)
+            # the prior from the same calls' tau per length, pooled over them (a profile of its own
+            # would time every length 1..K once more)
             expected = {s: tau for s, tau in sorted(policy.profile["expected_tokens"].items()) if s > 0}
             tables[name], priors[name] = policy.table, rate_from_expected_tokens(expected)
             result["tau_profile"][name] = {"expected_tokens": {str(k): v for k, v in expected.items()},
@@ -490,9 +484,8 @@ def history_workloads(generator: WorkloadGenerator, settings: PolicyBenchSetting
     """The learning policies' past: ``rows`` requests per workload from the held-out files from
     ``first`` on (those before are measured or profiled) -> (workloads, distinct files). Where the
     files run out, the history repeats its own requests rather than come back to the first ones,
-    which the generator would (run 17's batch-64 history of 512 came back to all 64 measured
-    files: about 380 of the gpu zoo's held-out files make 256-token requests). With no file left
-    at all it takes one from the first (the run's reused_files says so)."""
+    which the generator would, teaching the policies the measured text. With no file left at all
+    it takes one from the first (the run's reused_files says so)."""
     if rows <= 0:
         return {}, 0
     files = max(0, min(rows, generator.available(first + rows) - first))
@@ -728,7 +721,7 @@ def summarise_passes(method: Method, passes: list[tuple]) -> dict:
         "pass_steps": pass_steps,
         "pass_mean_draft_tokens": pass_mean_draft,
         # per step of the median pass's first call: [active rows, longest draft, mean draft, drafters used, ms,
-        # plan ms] (results before run 18 hold the first five)
+        # plan ms] (older results files hold only the first five)
         **({"trace": tallies[0].trace} if method.family != "fixed" else {}),
         # the median pass's calls one by one: steps and mean draft, and the last call's trace (a learning policy's
         # later calls start from what its earlier ones taught it)
@@ -1015,7 +1008,7 @@ def write(result: dict, folder: str | Path, stem: str) -> list[Path]:
 # settings that may differ between merged parts: passes are cheap at batch 16 and 64 (a call of
 # 0.1-0.2 s) and a slow spell of the machine lasts seconds, so those parts may time more of them;
 # each part profiles its own batch sizes (BatchAdaptivePolicy's table, GoodputPolicy's prior), and
-# at batch 1 every profiled request is a call of its own (run 17: 160 s of a batch-1 part's 300 s)
+# at batch 1 every profiled request is a call of its own, which makes its profile slow
 PER_PART = ("time_limit_s", "repeats", "profile_prompts", "tau_profile_repeats", "head_to_head_rounds")
 MERGEABLE = {"batch_sizes", "workloads", *PER_PART}
 

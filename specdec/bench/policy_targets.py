@@ -172,9 +172,7 @@ def same_decision_pairs(rows: list[dict]) -> list[dict]:
     BatchAdaptivePolicy only: its lengths follow its table, so every pass does the same work,
     where GoodputPolicy's choices may differ from pass to pass (the counts are the median
     pass's). Runs whose output differed from plain decoding are left out. Their ratio should
-    be 1 up to the machine's noise. The main files of runs 10-18 held 40 such pairs: 0.81-1.08
-    from the median pass (11 of 40 below 0.95) and 0.96-1.12 from the fastest (none below
-    0.95). On those machines a 5% gap between two runs' median passes is within the noise of one.
+    be 1 up to the machine's noise: its spread is the gap between two runs that noise alone explains.
     -> [{workload, batch, method, fixed, median_ratio, fastest_ratio (None without passes)}]."""
     usable = [r for r in rows if not r.get("error") and r.get("steps") and r.get("identical") is not False]
     fixed = [r for r in usable if r["family"] == "fixed"]

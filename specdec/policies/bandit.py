@@ -23,24 +23,19 @@ and slots in a call's tail compare. Rewards are normalised by the largest reward
 Switches (request and batch scope): a bandit that plays another drafter than at its last step
 (or its first step of a call) plays it for ``hold_steps`` steps (2 per request, 4 per batch)
 and learns from all but the first. A model
-drafter switched in first reads every token it missed (the prompt, in a call's first step):
-that step cost 3-4 times an ordinary one on the H200, and with every exploratory pull such a
-step the model drafters' mean rewards read a third of their worth, so the batch-level bandit
-of run 10 and 11 settled on prompt lookup (56k against 27k tokens per second learnt at batch 64,
-where the model drafter was the faster by 1.4x). Batch scope also prices a switch
-(``SwitchCosts``, measured times): a drafter other than the one being played is weighed by the
-share of its reward that survives its catch-up (its mean over the steps the call has left, its
-confidence radius over the hold), so drafters within the noise of
-each other are not swapped at 2-3 steps' price each time (run 13 at batch 16: 6-9 ms catch-ups
-against 2.2-3 ms steps, between drafters 10% apart per step).
+drafter switched in first reads every token it missed (the prompt, in a call's first step),
+in a step that can cost several ordinary ones; learnt from, with every exploratory pull such a
+step, it would make the model drafters' mean rewards read a fraction of their worth. Batch
+scope also prices a switch (``SwitchCosts``, measured times): a drafter other than the one
+being played is weighed by the share of its reward that survives its catch-up (its mean over
+the steps the call has left, its confidence radius over the hold), so drafters within the
+noise of each other are not swapped at a few steps' price each time.
 
 ``objective="call"`` (batch scope, ours) makes the time slot a whole generate() call: the bandit
 plays one drafter for the call and learns, when the next call starts (or at ``end_call``), the
 call's tokens per row over its steps' seconds. A static batch lasts as long as its slowest row,
-and per-step rewards do not see a drafter's stragglers: in run 15 at batch 64 (continuation),
-prompt lookup's and drafter-4L-narrow's steps made the same tokens per row per second (1018 and
-1025 learnt), while drafter-4L-narrow's calls took 56 steps against 120 and were 1.57x faster.
-A call's reward holds its stragglers, and no call pays a switch's catch-up. The price: one
+and per-step rewards do not see a drafter's stragglers: two drafters can make the same tokens
+per row per second while one's calls take many more steps. A call's reward holds its stragglers, and no call pays a switch's catch-up. The price: one
 sample per call, so the exploration constant is lower (CALL_EXPLORATION), and the bandit needs a
 few calls of each drafter behind it. ``hold_steps`` and ``charge_switches`` do not apply. Rewards
 are per row, so calls of one size compare exactly and calls of very different sizes (a short
@@ -74,9 +69,8 @@ lower indices); each row drafts with its best drafter in S. The subsets are enum
 scope takes at most 6 drafters, and it plays UCB only. With ``objective="finish"`` (ours,
 for static batches, which last until their slowest row is done) S instead minimises the
 predicted time to finish, max_r (R_r / max_{d in S} u[r, d]) * (T_verify + sum_{d in S} T_d), R_r
-the row's remaining budget: per step, prompt lookup and a model drafter tied on a batch of 64
-(1.25 and 1.27 tokens per row per ms, run 6), but prompt lookup's slowest rows needed 85 steps
-against 48 and the model drafter was 1.34x faster per call.
+the row's remaining budget: drafters that tie per step differ per call where one serves the
+slowest rows worse.
 
 Invariant: the policy changes only which drafter proposes; the acceptance rule keeps the
 output the target's own whatever the choice. Cost: O(B x D) numpy work per step (joint scope:
@@ -104,16 +98,15 @@ PRIOR_SPREAD_PULLS = 2.0  # confidence="variance": pseudo-pulls at the widest sp
 SCOPES = ("request", "batch", "joint")
 OBJECTIVES = ("step", "finish", "call")
 BATCH_FINISH_QUANTILE = 0.25  # batch scope, objective "finish": the share of drafting rows, furthest from done first, a step's reward counts
-# objective "call": a reward averages a whole call, whose spread from call to call is a few percent
-# (run 15: a timed pass's median within 3.1% of its fastest), so the radius need not be as wide
-# as for one step's reward. At 1.0, the radius of an arm with one call behind it (about 1.2 at
-# the fifth call) outweighs a drafter 0.64 as fast; at 0.3 (0.35) it does not, though it still
-# outweighs one 0.86 as fast (run 16: after 4 calls of history, the timed passes went back to such drafters)
+# objective "call": a reward averages a whole call, whose spread from call to call is a few percent,
+# so the radius need not be as wide as for one step's reward. At 1.0, the radius of an arm with one
+# call behind it (about 1.2 at the fifth call) outweighs a drafter 0.64 as fast; at 0.3 (0.35) it
+# does not, though it still outweighs one 0.86 as fast
 CALL_EXPLORATION = 0.3
 # objective "call": the prior's pseudo-pulls spread 0.7 of the widest (a standard deviation of 0.35
 # of the best call's reward, not 0.5). At 1.0 an arm with one call behind it reads as noisy as a
-# coin, and at the ninth call a drafter 0.69 as fast (run 17, continuation b16) still outweighed
-# the best drafter's six calls; at 0.7 the ninth call goes back to one above about 0.77. Simulated
+# coin, and at the ninth call a drafter under 0.7 as fast can still outweigh the best drafter's
+# six calls; at 0.7 the ninth call goes back to one above about 0.77. Simulated
 # (3 drafters 3-40% apart, per-call noise 3% or 8% with slow spells in 5% of calls, 300 seeds):
 # the two calls after 8 read 0.96-0.99 of the best on average instead of 0.87-0.98, regret over
 # 500 calls fell from 2.0-2.6 to 1.4-2.0 calls' worth, and the best drafter played under half of
@@ -297,11 +290,9 @@ def laggard_tokens(emitted: np.ndarray, remaining: np.ndarray, counted: np.ndarr
     drafted and was judged to the end. NaN when no row counts (a step that says nothing about
     the drafter). A static batch lasts as long as its slowest rows, and the rows furthest from
     done are the likeliest to be last: a drafter that serves them poorly finishes late however
-    fast its other rows go (run 14, continuation at batch 64: prompt lookup's steps made more
-    tokens per row per second than drafter-4L-narrow's, its calls took 96 steps against 59).
-    It did not separate them in run 15 either (1018 against 1025 tokens per row-second learnt,
-    calls of 120 steps against 56): prompt lookup's acceptance comes in bursts, so which row
-    is furthest behind mid-call says little about which row ends last. Objective "call" does."""
+    fast its other rows go. Where a drafter's acceptance comes in bursts (prompt lookup's),
+    which row is furthest behind mid-call says little about which row ends last; objective
+    "call" sees the stragglers themselves."""
     counted = np.asarray(counted, dtype=bool)
     mine = np.asarray(emitted, dtype=np.float64)[counted]  # [n]
     if len(mine) == 0:
@@ -316,11 +307,9 @@ class StepTimeAverages:
     new) of the rest of the step (verification, commit, policy), and per drafter the median of
     its last ``window`` passes over the steps it drafted in; a time never measured stays 0.
 
-    A drafter's first pass in each generate() call is not a sample: it reads the call's prompts
-    (about 5-10 ms on the H200 against 0.2-0.6 ms for a pass afterwards, run 4), a cost of the
-    call rather than of a step. Taken as a step's price it made the model drafters look 10-20
-    times dearer than they are, and joint scope stopped choosing them (drafter-4L-narrow in
-    0-3% of row-steps in run 4). The median keeps the catch-up spikes that follow a switch from
+    A drafter's first pass in each generate() call is not a sample: it reads the call's prompts,
+    many times an ordinary pass's work and a cost of the call rather than of a step; taken as a
+    step's price it would make model drafters look far dearer than they are. The median keeps the catch-up spikes that follow a switch from
     moving the estimate either."""
 
     def __init__(self, num_drafters: int, decay: float = 0.85, window: int = 8):
@@ -365,10 +354,10 @@ class SwitchCosts:
     played: S / (S + x_d) for a drafter whose switch costs x_d clean steps; 1 for the drafter
     being played and for one whose price is not known yet. BanditPolicy weighs a drafter's mean
     by it over the fewest steps the call has left (a switch to exploit lasts the call) and its
-    confidence radius over ``hold_steps`` (a switch to explore may last no longer). On the H200
-    a switch cost 6-9 ms against 2.2-3 ms steps (run 13, batch 16): a drafter explored for 4
-    steps kept about 60% of its worth, and a bandit that ignored it switched every few steps
-    between drafters whose per-step rewards were within 10% of each other."""
+    confidence radius over ``hold_steps`` (a switch to explore may last no longer). A switch
+    can cost a few clean steps, so a drafter explored for a few steps keeps only part of its
+    worth, and a bandit that ignores it switches every few steps between drafters whose
+    per-step rewards are within the noise of each other."""
 
     def __init__(self, num_drafters: int, decay: float = 0.8):
         self.decay = decay
@@ -463,8 +452,8 @@ class BanditPolicy(Policy):
         within a call) or "range" (UCB1's radius, for rewards as noisy as coins); hold_steps
         (request and batch scope): steps a bandit plays a drafter it switched to before it may
         switch again, learning from all but the first (the catch-up); default 2 for request
-        scope, 4 for batch scope, where every switch makes the whole batch catch up (6-8 ms
-        against a 2.2-2.8 ms step at batch 64, run 12), so an exploratory pull is worth three
+        scope, 4 for batch scope, where every switch makes the whole batch catch up (a step that
+        can cost a few clean ones), so an exploratory pull is worth three
         clean steps rather than one; charge_switches (batch scope, measured times): weigh a drafter
         the batch would switch to by the share of its reward its switch keeps (``SwitchCosts``:
         its catch-up, learnt from measured steps), so that drafters within the noise of each other
@@ -653,9 +642,7 @@ class BanditPolicy(Policy):
             whole = (self._asked[rows] > 0) & (emitted == accepted + 1)  # [A] drafted, not cut short by EOS or budget
             tokens = emitted.sum() if self.objective == "step" else laggard_tokens(emitted, self._remaining[rows], whole)
             # per active row: the slots of one call hold from all rows to a straggler or two, and a
-            # drafter explored in the tail would read a fraction of its worth (at batch 64 in run 12
-            # the batch-level bandit learnt prompt lookup at 66k tokens/s and drafter-4L-narrow at
-            # 41k, whose clean steps made about 1.8x prompt lookup's with 55 rows active)
+            # drafter explored in the tail would read a fraction of its worth
             per_row_s = total * len(rows)
             self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [tokens / per_row_s if total > 0 else np.nan])
 
@@ -663,7 +650,7 @@ class BanditPolicy(Policy):
         """Batch scope: the step's seconds, its measured wall time (without a cost model), else
         the sum of its rows' attributed times (``seconds`` [A], when already computed). A model
         drafter's charged host time also holds its wait for the GPU, so verify + drafter charges
-        read a model drafter's step 1.5x too long: the wall time is what the step cost."""
+        read a model drafter's step too long: the wall time is what the step cost."""
         if self.cost_model is None and record.step_time_s:
             return float(record.step_time_s)
         if seconds is None:

@@ -13,8 +13,8 @@ acceptance rate) and T(b, s) = s * T_draft(b) + T_target(b, s + 1) the round tim
 ``build_table`` computes this for every b. From a measured profile (``from_measurements``) the
 table takes, by default, the length of highest measured tokens per second of whole calls at b
 (``table_from_throughput``): ``generate()`` runs static batches, which last until their slowest
-row is done, and the per-step formula above, which assumes a batch kept full, picked k = 8 at
-batch 64 in run 5 where k = 4 was 1.22x faster. Each step the policy looks up the number of active
+row is done, while the per-step formula above assumes a batch kept full and so can favour a
+longer draft than pays per call. Each step the policy looks up the number of active
 rows: the entry of the nearest tabulated batch size on a log scale. With a CostModel, T(b, s)
 is the model's drafter time for b rows drafting s tokens plus its verify time for b rows of
 s + 1 tokens at a stated context length (the paper's known gap: the table ignores how context
@@ -104,7 +104,7 @@ def monotone_table(tokens_per_s: Mapping[tuple[int, int], float]) -> dict[int, i
     tps(b, s) (dynamic programming over the batch sizes, ascending; ties: the shortest draft at
     the largest batch size, then at each smaller one the shortest of the best allowed).
     Where the measured argmax already shortens as b grows it is the argmax; one odd measurement
-    (run 10, continuation: plain decoding best at batch 16, between k = 4 at 4 and at 64) gives
+    (plain decoding best at one batch size between sizes where drafting won) gives
     way where keeping it would cost its neighbours more than it gains. A pair (b, s) not
     measured is not chosen; measurements that leave no such table are an error."""
     if not tokens_per_s:
@@ -193,15 +193,15 @@ def measure_round_times(target, drafter, prompts, batch_sizes: Sequence[int], dr
     size b measures only the first max(b, requests_per_size) prompts (None: all of them), so a
     profile given as many distinct prompts as its largest batch does not time many calls at
     the small ones. A call of b rows should hold b distinct requests: its slowest row sets its
-    length, and 16 requests cycled over 64 rows (run 14, continuation) put k = 8 first where
-    k = 2 was best on 64 distinct requests (1.26x k = 8's tokens per second).
+    length, and requests cycled over more rows repeat their stragglers, which can rank the
+    lengths wrongly.
 
     -> (l(s): tau pooled over every call, {(b, s): measured seconds per decoding step, the
     median over rounds of each round's pooled calls}, {(b, s): measured tokens per second of
     the calls, emitted tokens over decoding time, the median over rounds}). The last is what a
     static batch delivers: a call lasts until its slowest row is done, so a longer draft that
     raises tau without shortening the slowest row's steps only makes the steps dearer, which
-    tau / seconds per step does not see (run 5: 53 steps at batch 64 for k = 4, 6 and 8 alike).
+    tau / seconds per step does not see.
     """
     from ..generate import generate  # the loop imports the policies package
     from .fixed import FixedPolicy

@@ -34,28 +34,26 @@ Searches:
 - "finish" (ours, for static batches): one k for every row, the one that minimises the predicted
   time until every active row is done (call_times: row i needs R_i / E[tau_i](k) more steps, and
   each stretch between two rows' finishing points costs the step time of the rows still
-  active). generate() runs static batches, which last until their slowest row is done: at
-  batch 64 fixed k = 4 and 6 took the same 53 steps (run 5), so the longer draft only made
-  steps dearer, which per-step goodput does not see. The lowest rows' rates decide it, so it
-  reads each row's rate as a Beta posterior: its decayed counts and a prior around the batch's
-  rate (shrunk_rates: the lowest of 64 noisy per-step averages passed for a straggler, run 7,
-  k = 2 for 32 steps where k = 4 was 7% faster), the prior's weight raised where earlier calls'
-  rows were more alike than its default (RowRateSpread), and it times the call over samples of
-  those posteriors (posterior_rate_samples; ``finish_rate_samples``, 8). A call's rows start
-  with a prior that never weighs less than FINISH_SHRINK_TRIALS: learnt down to 9 judged tokens
-  at continuation b64 (run 13), the posteriors' lowest quantiles read stragglers among 53 rows and "finish" decoded plainly
-  for 32 steps where k = 4 ran 1.43x plain (a row's rate moves over a call, so the spread of
-  whole-call rates overstates the spread of what is left). After a row's first FINISH_PRIOR_GRACE
-  steps with a judged token (the counts' memory) its prior ages as its counts do, by
-  FINISH_COUNT_DECAY a step, to at least FINISH_PRIOR_FLOOR (finish_row_prior_trials: exponential
-  forgetting of the whole posterior, not of the counts alone). Unaged, a straggler's counts
-  levelled off below the prior's weight and it read near the batch's rate for as long as it
-  drafted (run 19). An aged row that stops drafting drifts back to the batch's rate more slowly
-  (its counts shrink by the revisit rate per idle step, its prior's weight stays aged).
+  active). generate() runs static batches, which last until their slowest row is done, so a
+  longer draft that does not shorten the slowest row only makes steps dearer, which per-step
+  goodput does not see. The lowest rows' rates decide it, so it reads each row's rate as a
+  Beta posterior: its decayed counts and a prior around the batch's rate (shrunk_rates: the
+  lowest of many noisy per-row averages passes for a straggler by chance), the prior's weight
+  raised where earlier calls' rows were more alike than its default (RowRateSpread), and it
+  times the call over samples of those posteriors (posterior_rate_samples;
+  ``finish_rate_samples``, 8). A call's rows start with a prior that never weighs less than
+  FINISH_SHRINK_TRIALS: a row's rate moves over a call, so the spread of whole-call rates
+  overstates the spread of what is left, and a weaker prior reads stragglers that are not.
+  After a row's first FINISH_PRIOR_GRACE steps with a judged token (the counts' memory) its
+  prior ages as its counts do, by FINISH_COUNT_DECAY a step, to at least FINISH_PRIOR_FLOOR
+  (finish_row_prior_trials: exponential forgetting of the whole posterior, not of the counts
+  alone); unaged, a straggler's counts level off below the prior's weight and it reads near
+  the batch's rate for as long as it drafts. An aged row that stops drafting drifts back to
+  the batch's rate more slowly (its counts shrink by the revisit rate per idle step, its
+  prior's weight stays aged).
 
 A call's second decision comes FIRST_INTERVAL steps after its first (which knows nothing of the
-call's rows: "finish" drafted 7-8 tokens for the first 16 steps of a call where 3-4 was best,
-run 11), then every ``decide_every``.
+call's rows, so it should not stand for long), then every ``decide_every``.
 
 Speculation must beat plain decoding (k = 0) by ``min_gain`` (10% by default); when it does not,
 every row decodes plainly this step. Acceptance is estimated online (EMA 0.85/0.15 or a window
@@ -74,11 +72,10 @@ under-predicts what drafting costs at a large batch is still corrected; a batch'
 rows are a different trade-off from its first 64.
 
 Switching a row back on after more than CATCH_UP_STEPS idle steps makes a model drafter read
-every token it missed, in a step that costs more than its drafting (H200, gpu zoo: about 5 ms
-against a 1.2-2 ms step, runs 7 and 8). The policy measures that excess (catch_up_s, the
-median of recent catch-up steps) and weighs a choice that switches rows back on, charged it
-once (spread over CATCH_UP_HORIZON steps, fewer if fewer are left), against the choice
-without them; the first drafting step of a row (its prompt) is not charged.
+every token it missed, in a step that can cost several ordinary ones. The policy measures
+that excess (catch_up_s, the median of recent catch-up steps) and weighs a choice that
+switches rows back on, charged it once (spread over CATCH_UP_HORIZON steps, fewer if fewer
+are left), against the choice without them; the first drafting step of a row (its prompt) is not charged.
 
 Decisions come every ``decide_every`` steps (sooner while a probe of speculation lacks its
 measurements, and as soon as the active rows fall into another bucket, row_bucket, as rows
@@ -124,17 +121,17 @@ PRIOR_LENGTH = 4
 PRIOR_DECAY = 0.5  # learn_prior: what an earlier call's counts keep at each new call
 CATCH_UP_HORIZON = 16  # steps a returning row's measured catch-up is spread over (fewer if fewer are left)
 # "finish": what the batch's pooled rate weighs in each row's rate, in judged draft tokens, at the
-# least (RowRateSpread may learn that rows are more alike): a Beta prior of sd 0.08 at rate 0.72. At 4,
-# a first probe's 16 judged tokens per row left the lowest of 54 rows reading a straggler, and
-# "finish" chose k = 0 for 16 steps where k = 4 was best (run 9, continuation b16 and b64); at 16,
-# the rows' posterior samples spread wider than such rows do and k = 0 came back in 9 of 20
-# batches of 54 (tests/policies/test_profile_options.py)
+# least (RowRateSpread may learn that rows are more alike): a Beta prior of sd 0.08 at rate 0.72.
+# Lighter, a first probe's few judged tokens per row leave the lowest of many rows reading a
+# straggler and "finish" decodes plainly where drafting pays; at 16 the rows' posterior samples
+# spread wider than such rows do and k = 0 came back in 9 of 20 batches of 54
+# (tests/policies/test_profile_options.py)
 FINISH_SHRINK_TRIALS = 32.0
 FINISH_COUNT_DECAY = 0.95  # "finish": what a row's judged draft tokens keep per drafting step (a memory of about 20)
 # "finish": the batch's weight in a row's rate ages as the row's own counts do, by FINISH_COUNT_DECAY per
 # step with a trial in the call, down to this many judged tokens (finish_row_prior_trials). Unaged, a row
-# accepting 0.13 (continuation b64, run 19) judged about 1.25 tokens a step, its decayed counts levelled
-# off near 25 judged tokens, below the prior's 32, and it read about 0.55 for as long as it drafted
+# that accepts little judges few tokens a step, its decayed counts level off below the prior's weight,
+# and it reads near the batch's rate for as long as it drafts
 FINISH_PRIOR_FLOOR = 2.0
 FINISH_PRIOR_GRACE = round(1 / (1 - FINISH_COUNT_DECAY))  # steps with a trial before the ageing starts: the counts' memory
 # "finish": samples of the batch's rates, each row at stratified quantiles of its posterior
@@ -151,9 +148,9 @@ class LearnedPrior:
     drafted (rate_matching_tokens), with the given prior p as PRIOR_ROW_STEPS pseudo row-steps
     at PRIOR_LENGTH that emitted E[tau](PRIOR_LENGTH; p). Each call's counts are multiplied by
     PRIOR_DECAY at every new call (recent calls weigh most, so a change of workload is followed
-    within a few calls). Accepted over judged tokens, pooled, read high on rows of different
-    rates (those that accept long runs judge more tokens and weigh more): after a history of
-    held-out calls the first decision of a call drafted 7-8 tokens where 4 was best (run 10).
+    within a few calls). It matches emitted tokens rather than pooling accepted over judged
+    tokens, which reads high on rows of different rates (those that accept long runs judge
+    more tokens and weigh more).
 
     Invariant: the rate lies in [0, 1] and is the given prior until a row-step has been judged."""
 
@@ -535,11 +532,10 @@ class StepTimeCalibration:
       a sample (m / p - P0) / E (clipped to EXTRA_CLIP); the shape is the median of the bucket's
       last WINDOW samples once it holds MIN_SAMPLES, 1 (the model as profiled) before.
 
-    Before, each scale was a median of its own kind of step, and a drafting sample (m - plain
-    scale x P0) / E read the plain scale from whenever it was last measured: a step 20% slower
-    read as drafting 40% dearer where P0 and E are alike, and at a call's start every sample was
-    the history's. On an H100 (BENCHMARKS run 21) the drafting scale ranged 0.3-4.0 within one
-    run, and "finish" decoded plainly for 48-80 steps of a call whose drafting paid 1.2-1.6x.
+    Pairing matters: a drafting sample (m - plain scale x P0) / E that read the plain scale
+    from whenever it was last measured would take a slow spell of the host for dear drafting
+    (a step 20% slower reads as drafting 40% dearer where P0 and E are alike), and at a call's
+    start every sample would be the history's.
 
     A bucket whose drafting is measured with no plain step beside it cannot tell a slow host
     from dear drafting. When its recent unpaired drafting steps (MIN_SAMPLES of them, median)
@@ -928,11 +924,9 @@ class GoodputPolicy(Policy):
         drafter ran (none asked, or every asked row capped by its budget), a drafting one
         otherwise; but a catch-up first step, and a step of the other kind than the step before
         it in the call (or the call's first), are not calibrated on. Both kinds of switch cost
-        more than the steps after them: the first plain step after drafting 1.5-1.6x at 16 and
-        64 rows (the second 1.01x), the first drafting step after 1-2 plain steps 1.43-1.47x at
-        every batch size, after more 2.9-3.5x (H100 run 21 and H200 run 22). Fed in, a plain
-        probe's median speed read drafting as 1.6x cheaper than its clean pairs (`mixed` b64, run
-        22: shape 1.22, about 2 from clean steps)."""
+        more than the steps after them (the more so after longer plain stretches), so fed in
+        they would skew both scales: a plain probe's speed, slowed by its switch step, reads
+        drafting as cheaper than its clean pairs do."""
         step_time, decided = self._decision
         first = records[0]
         if self._catching_up and first.step_time_s and decided.any() and self._drafter_ran(first):
@@ -960,10 +954,10 @@ class GoodputPolicy(Policy):
     @staticmethod
     def _decoding_s(record: StepRecord) -> float:
         """The step's wall time less the policy's own plan (StepRecord.plan_time_s): what the cost
-        model predicts. A decision's work (half a millisecond for "finish" on the H200's host, run
-        16) lands on the first step of its interval whether that step drafts or not; at the tail
-        of a call, where rows finishing bring decisions forward every few steps, it made up
-        half of the few drafting samples and read as drafting costing twice what it does."""
+        model predicts. A decision's work lands on the first step of its interval whether that
+        step drafts or not; at the tail of a call, where rows finishing bring decisions forward
+        every few steps, it would fall on many of the few drafting samples and read as dear
+        drafting."""
         return float(record.step_time_s) - float(record.plan_time_s)
 
     @staticmethod
@@ -984,7 +978,7 @@ class GoodputPolicy(Policy):
         """"finish": what the batch's rate weighs in each row's at a call's start, in judged draft
         tokens (finish_row_prior_trials ages it): FINISH_SHRINK_TRIALS, or more where earlier
         calls' rows were more alike than that (RowRateSpread.prior_strength), never less (a
-        weaker prior read stragglers that were not, run 13)."""
+        weaker prior reads stragglers that are not)."""
         learnt = self.row_spread.prior_strength() if self.row_spread is not None else None
         return FINISH_SHRINK_TRIALS if learnt is None else max(learnt, FINISH_SHRINK_TRIALS)
 
@@ -993,7 +987,7 @@ class GoodputPolicy(Policy):
         by FINISH_COUNT_DECAY per step in which the row had a trial, as its own counts are, and never
         below FINISH_PRIOR_FLOOR. A row's counts level off near (judged tokens per step) / (1 -
         FINISH_COUNT_DECAY): a straggler's well below an unaged prior, which would keep it near the
-        batch's rate (BENCHMARKS run 19); a well-judged row's far above either. Empty before the
+        batch's rate; a well-judged row's far above either. Empty before the
         first call."""
         steps = np.maximum(self._row_trial_steps - FINISH_PRIOR_GRACE, 0).astype(np.float64)  # [B]
         aged = self.finish_prior_trials * FINISH_COUNT_DECAY ** steps

@@ -10,7 +10,7 @@ the drafter's greedy token at each generated position (given the target's own to
 is the target's. With a greedy target and a greedy drafter that is exactly what a draft of k
 tokens from that position gets accepted (the run of agreements from it), so a policy meets the
 acceptance of real text, bursts and droughts included, without a model in the loop
-(scripts/sim_trace_replay.py records it from the model zoo).
+(experiments/sim_trace_replay.py records it from the model zoo).
 
 Invariant (what ``generate()`` does for a policy): plan before each step, observe its
 StepRecord after; a row drafts at most its budget less one token and emits at most its budget;

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The standard GPU run, as one command on the device machine (no network, a bare disk; it runs
+# over a copy of the working tree without .git, so set SPECDEC_COMMIT to the commit measured):
+#
+#   SPECDEC_COMMIT=$(git rev-parse --short HEAD) PARTS="tests quick" bash scripts/gpu_run.sh
+#
+# PARTS (space-separated, run in this order):
+#   tests     python -m pytest -m cuda (2-5 min; two-GPU tests run where two GPUs are seen)
+#   quick     python -m specdec bench --quick (the zoo against Hugging Face and the bandwidth floor, ~4 min)
+#   bench     python -m specdec bench (the same, every batch size, ~7 min)
+#   policies  python -m specdec bench --policies --batch-sizes $BATCH_SIZES (default 16) with $POLICY_ARGS
+#   demo      python -m specdec demo --preset gpu --device cuda
+# The gpu zoo is built first when a part needs it (~3 min). Everything is written under a work
+# folder and packed into $OUT/results.tgz after each part (the device returns at most 8 files);
+# unpack it with `tar xzf results.tgz -C somewhere`. A call may run 10 minutes at most: pick parts
+# that fit, and run further parts in later calls on the same warm machine.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 SPECDEC_ZOO_DIR=${SPECDEC_ZOO_DIR:-/tmp/zoo}
+RETURNED=${OUT:-/tmp/out}; WORK=/tmp/specdec_gpu_run; rm -rf "$WORK"; mkdir -p "$RETURNED" "$WORK"
+pack() { tar czf "$RETURNED/results.tgz" -C "$WORK" .; }
+trap pack EXIT
+PARTS=${PARTS:-tests}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config"; }
+{ python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } | tee "$WORK/versions.txt"
+TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E "h100|h200" | head -1 | tr 'A-Z' 'a-z')
+TAG=${TAG:-gpu}
+if has tests; then
+  timeout 480 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$WORK/cuda_tests.log" | tail -25; pack
+fi
+if has quick || has bench || has policies || has demo; then
+  timeout 300 python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
+    | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$WORK/zoo_build.log"
+  cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$WORK/zoo_gpu_manifest_$TAG.json"; pack
+fi
+has quick && { python3 -m specdec bench --quick --out "$WORK" 2>&1 | quiet | tee "$WORK/bench_quick.log" | tail -30; pack; }
+has bench && { python3 -m specdec bench --out "$WORK" 2>&1 | quiet | tee "$WORK/bench.log" | tail -40; pack; }
+has policies && { python3 -m specdec bench --policies --preset gpu --device cuda --batch-sizes "${BATCH_SIZES:-16}" \
+  ${POLICY_ARGS:---num-prompts 16 --history-prompts 8 --pass-calls 2 --repeats 3 --time-limit-s 300} \
+  --name "policies_$TAG" --out "$WORK" 2>&1 | quiet | tee "$WORK/policies.log" | tail -30; pack; }
+has demo && { python3 -m specdec demo --preset gpu --device cuda --json "$WORK/demo_gpu.json" 2>&1 | quiet \
+  | tee "$WORK/demo_gpu.log"; pack; }
+exit 0
