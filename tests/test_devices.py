@@ -100,6 +100,7 @@ def test_a_target_split_over_two_gpus_decodes_as_the_whole_model(tmp_path, devic
     """A zoo-like target loaded with from_pretrained(device_map=...) over cuda:0 and cuda:1 decodes
     exactly as the unsplit model on cuda:0 (float32, reference attention on both), with each
     drafter; its layers' caches sit on both GPUs."""
+    pytest.importorskip("accelerate", reason="device_map needs accelerate")
     from transformers import AutoModelForCausalLM
 
     whole = make_model("llama", num_layers=4, dtype=torch.float32)
