@@ -76,17 +76,21 @@ def is_split(model: torch.nn.Module) -> bool:
 
 def execution_device(module: torch.nn.Module) -> torch.device:
     """Where ``module`` computes: accelerate's hook says so for a dispatched (or offloaded) module,
-    else its parameters' device."""
-    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-    if device is None:
+    else its parameters' device. A dispatched model's own hook moves every tensor argument of its
+    forward there, the indices of the logits to keep included."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or [hook]  # accelerate's SequentialHook holds several
+    devices = [h.execution_device for h in hooks if getattr(h, "execution_device", None) is not None]
+    if not devices:
         return next(module.parameters()).device
+    device = devices[0]
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
 def _hidden_states_to(device: torch.device):
     """A forward hook for a split model's decoder: hands its last hidden state to ``device``, where
-    the language-model head computes and the runner puts the indices of the logits it keeps (the
-    head's model slices the hidden states with them before the head runs)."""
+    the indices of the logits to keep arrive (the model slices the hidden states with them
+    before its head runs, and the head's own hook then moves the slice to the head's device)."""
     def hook(module, args, output):
         if hasattr(output, "last_hidden_state") and output.last_hidden_state.device != device:
             output.last_hidden_state = output.last_hidden_state.to(device)
@@ -226,9 +230,10 @@ class ModelRunner:
             raise ValueError("the fast attention backend needs the whole model on one GPU; this one is split over "
                              "several devices (device_map): use attention='reference' (or 'auto')")
         self.vocab_size = vocab_size_of(model)
-        # a split model computes its head where accelerate put it, maybe another GPU than the embeddings
+        # where a split model's forward receives the indices of the logits to keep (accelerate moves
+        # them to the model's main device), which may be neither the decoder output's nor the head's
         self.split = is_split(model)
-        self.head_device = execution_device(model.get_output_embeddings()) if self.split else self.device
+        self.keep_device = execution_device(model) if self.split else self.device
         text_config = model.config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
         # the largest position id the model embeds; only pad slots of a padded layout exceed it
@@ -290,7 +295,7 @@ class ModelRunner:
         decoder = self.model.base_model
         hook = None
         if self.split and decoder is not self.model:
-            hook = decoder.register_forward_hook(_hidden_states_to(self.head_device))
+            hook = decoder.register_forward_hook(_hidden_states_to(self.keep_device))
         try:
             yield self
         finally:
@@ -324,7 +329,7 @@ class ModelRunner:
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
         meta = packed_metadata(layout, self.cache, self.device, self.backend)
-        keep = 0 if logits_indices is None else to_device(logits_indices, self.head_device)
+        keep = 0 if logits_indices is None else to_device(logits_indices, self.keep_device)
         position_ids = meta.token_positions
         if self.max_position_id is not None:
             position_ids = position_ids.clamp(max=self.max_position_id - 1)

@@ -155,3 +155,30 @@ def test_attention_metadata_moves_to_a_layer_device_once():
     assert (moved.max_group_tokens, moved.max_kv_len, moved.cache, moved.backend) == (
         meta.max_group_tokens, meta.max_kv_len, meta.cache, meta.backend)
     assert meta.token_rows.device.type == "cpu"
+
+
+class _Hook:
+    def __init__(self, execution_device):
+        self.execution_device = execution_device
+
+
+class _Sequential:  # accelerate's SequentialHook: several hooks on one module
+    def __init__(self, *hooks):
+        self.hooks = list(hooks)
+
+
+@pytest.mark.parametrize("hook,expected", [
+    (None, "cpu"),  # no accelerate hook: the parameters' device
+    (_Hook(None), "cpu"),
+    (_Hook(1), "cuda:1"),  # accelerate names GPUs by index
+    (_Hook("cuda:1"), "cuda:1"),
+    (_Hook(torch.device("cpu")), "cpu"),
+    (_Sequential(_Hook(None), _Hook(0)), "cuda:0"),
+])
+def test_execution_device_reads_accelerate_hooks(hook, expected):
+    from specdec.runner import execution_device
+
+    module = torch.nn.Linear(2, 2)
+    if hook is not None:
+        module._hf_hook = hook
+    assert execution_device(module) == torch.device(expected)
