@@ -16,7 +16,10 @@ def test_demo_table_is_identical_everywhere(tiny_zoo_root, tmp_path, capsys):
     # plain decoding, prompt lookup and the tiny preset's two drafters, at batch 1 and 8
     assert {r["batch"] for r in rows} == {1, 8} and len(rows) == 8
     assert all(r["identical"] for r in rows) and result["plain_matches_hugging_face"]
-    assert all(r["tau"] >= 1.0 for r in rows)
+    # plain decoding emits one token a step; drafting emits more where drafts are accepted (the tiny
+    # preset's drafters are barely trained, but some method gets drafts accepted at both batch sizes)
+    assert all(r["tau"] == 1.0 for r in rows if r["method"].startswith("plain"))
+    assert all(max(r["tau"] for r in rows if r["batch"] == b) > 1.0 for b in (1, 8))
     printed = capsys.readouterr().out
     assert "equals Hugging Face generate() on prompt 0: yes" in printed
     # the line right under the table says what the speed-ups of tiny models mean

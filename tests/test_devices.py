@@ -1,7 +1,8 @@
 """Targets and drafters on more than one device (issue 6): a drafter on another device than the
 target, and a target whose layers are split over devices with accelerate's ``device_map``
-(each layer's KV cache on that layer's device). The runs need a GPU besides the CPU, so they are
-``cuda`` tests; float64 everywhere, so the split and unsplit runs must agree token for token."""
+(each layer's KV cache on that layer's device). The runs need a GPU besides the CPU, or two GPUs,
+so they are ``cuda`` tests; float64 over a GPU and the CPU, float32 over two GPUs (reference
+attention in both runs), so the split and unsplit runs must agree token for token."""
 
 from __future__ import annotations
 

@@ -126,7 +126,8 @@ def test_numpy_inputs_are_accepted(target):
     as_numpy = generate(target, [np.array([1, 2, 3]), np.array([4], dtype=np.int32)], max_new_tokens=5,
                         eos_token_id=torch.tensor(7))
     assert as_lists.sequences == as_numpy.sequences
-    SamplingParams(temperature=np.float32(0.7), top_p=np.float64(0.9))
+    params = SamplingParams(temperature=np.float32(0.7), top_p=np.float64(0.9))
+    assert params.temperature == pytest.approx(0.7) and params.top_p == pytest.approx(0.9)
 
 
 def test_a_verifier_or_policy_class_instead_of_an_instance(target):

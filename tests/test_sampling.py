@@ -73,8 +73,13 @@ def test_chain_rule_with_draft_probs_reproduces_target(params):
     # after an accepted first token the bonus token follows the next distribution
     accepted = verdict.num_accepted == 1
     assert chi_square_pvalue(verdict.token_ids[accepted, 1], target_probs[1]) > ALPHA
-    # negative control: the drafts themselves follow q, which the same test rejects as p
+    # negative controls: the drafts themselves follow q, which the same test rejects as p; and the
+    # classic bug of drawing a rejected row's token from p instead of the residual (p - q)+ gives
+    # min(p, q) + (1 - alpha) p, which has p's support, so only the test's power can reject it
     assert chi_square_pvalue(draft_tokens, target_probs[0]) < ALPHA
+    alpha = torch.minimum(target_probs[0], draft_probs).sum()
+    recovered_from_p = torch.minimum(target_probs[0], draft_probs) + (1 - alpha) * target_probs[0]
+    assert chi_square_pvalue(first, recovered_from_p) < ALPHA
     # acceptance rate matches alpha = sum min(p, q) within 4 standard errors
     alpha = torch.minimum(target_probs[0], draft_probs).sum().item()
     rate = accepted.double().mean().item()
@@ -85,11 +90,13 @@ def test_chain_rule_with_draft_probs_reproduces_target(params):
 @pytest.mark.parametrize("proposal", ["random", "constant"])
 def test_point_mass_rule_reproduces_target(params, proposal):
     """Drafts with no probabilities (prompt lookup): whatever token is proposed, and however
-    it was chosen, the emitted token follows p."""
+    it was chosen, the emitted token follows p. The random proposals are not uniform: under a
+    uniform proposal, drawing a rejected row's token from p itself (not from p without x) would
+    also give p, and the test could not catch that bug."""
     target_probs = process_logits(TARGET_LOGITS, params)
     generator = torch.Generator().manual_seed(0)
     if proposal == "random":
-        draft_tokens = torch.randint(0, 6, (N,), generator=generator)
+        draft_tokens = torch.multinomial(DRAFT_LOGITS.softmax(-1), N, replacement=True, generator=generator)
     else:
         draft_tokens = torch.full((N,), 3)
     verdict, _ = run_one_position(TARGET_LOGITS, None, params, point_mass=True, draft_tokens=draft_tokens)
