@@ -144,7 +144,10 @@ def main(preset: str = "cpu", device: str = "cpu", json_path: str | None = None,
     matches_hf = plain_matches_hugging_face(zoo.target, prompts[0], max_new_tokens, tokenizer.eos_token_id)
     print(f"plain decoding through specdec equals Hugging Face generate() on prompt 0: {'yes' if matches_hf else 'NO'}")
     if json_path:
+        from .bench.harness import environment
+
         result = {
+            "environment": environment(device),
             "preset": preset,
             "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
             "zoo": {k: zoo.manifest[k] for k in ("fingerprint", "models", "build_seconds")},

@@ -12,6 +12,7 @@ def test_demo_table_is_identical_everywhere(tiny_zoo_root, tmp_path, capsys):
             "--num-prompts", "4", "--prompt-tokens", "48", "--json", str(path)]
     assert main(argv) == 0
     result = json.loads(path.read_text())
+    assert result["environment"]["command"].startswith("python -m specdec") and result["environment"]["torch"]
     rows = result["rows"]
     # plain decoding, prompt lookup and the tiny preset's two drafters, at batch 1 and 8
     assert {r["batch"] for r in rows} == {1, 8} and len(rows) == 8

@@ -99,7 +99,7 @@ def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
     unknown = set(settings.parts) - {"zoo", "bandwidth"}
     if unknown:
         raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth")
-    result = {"environment": environment(settings), "settings": asdict(settings), "rows": []}
+    result = {"environment": environment(settings.device), "settings": asdict(settings), "rows": []}
     if "zoo" in settings.parts:
         result.update(run_zoo(settings, log, lambda zoo_part: save({**result, **zoo_part})))
         save(result)
@@ -232,11 +232,12 @@ def agreement(outputs: list[list[int]], expected: list[list[int]] | None) -> flo
     return sum(fractions) / len(fractions)
 
 
-def environment(settings: BenchSettings) -> dict:
+def environment(device: str) -> dict:
+    """Versions, command, commit and time of a run, and the hardware of ``device``."""
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "specdec": specdec.__version__, "command": " ".join(["python -m specdec"] + sys.argv[1:]),
            "commit": _git_commit(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    if settings.device.startswith("cuda"):
+    if device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name()
         env["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     else:

@@ -343,7 +343,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
 
     result = {
         "format": FORMAT,
-        "environment": {**environment(settings), **({"command": command} if command else {})},
+        "environment": {**environment(settings.device), **({"command": command} if command else {})},
         "settings": asdict(settings),
         "dtype": dtype,
         "zoo": zoo.manifest["models"],
