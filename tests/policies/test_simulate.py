@@ -160,7 +160,7 @@ def test_finish_is_within_5_percent_of_the_best_fixed_length_on_rows_of_differen
 
 
 # run 19's fitted cost model (drafter-4L-narrow) and the launch-bound step time read off its traces
-# (scripts/sim_finish_stragglers.py): there a drafting step cost about 1.8x a plain one, whatever the rows
+# (the since-deleted scripts/sim_finish_stragglers.py, experiments/README.md): there a drafting step cost about 1.8x a plain one, whatever the rows
 RUN19 = CostModel.from_coefficients(c_fixed=1.732e-3, c_tok=3.99e-7, c_kv=1.016e-8,
                                     drafters=[{"fixed": 5.37e-4, "steps": 2.259e-4, "kv_tokens": 3.07e-9,
                                                "context_tokens": 9.1e-10}])
@@ -258,7 +258,7 @@ def test_finish_keeps_drafting_after_a_history_on_a_slower_host():
     measured call (drafting 0.7x the model there). The calibration learns the host's speed from
     every step and drafting's cost only from drafting and plain steps measured together, so
     "finish" reaches at least 0.95 of the best fixed length over 8 seeded batches (seen: 0.996; the
-    residual calibration reached 0.867, scripts/sim_calibration_stale.py). The measured batches are
+    residual calibration reached 0.867, experiments/sim_calibration_stale.py). The measured batches are
     the same for every policy."""
 
     def step_time_at(plain, drafting):
