@@ -34,11 +34,11 @@ if has quick || has bench || has policies || has demo; then
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$WORK/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$WORK/zoo_gpu_manifest_$TAG.json"; pack
 fi
-has quick && { python3 -m specdec bench --quick --out "$WORK" 2>&1 | quiet | tee "$WORK/bench_quick.log" | tail -30; pack; }
-has bench && { python3 -m specdec bench --out "$WORK" 2>&1 | quiet | tee "$WORK/bench.log" | tail -40; pack; }
+has quick && { python3 -m specdec bench --quick --out "$WORK" 2>&1 | tee "$WORK/bench_quick.log" | quiet | tail -30; pack; }
+has bench && { python3 -m specdec bench --out "$WORK" 2>&1 | tee "$WORK/bench.log" | quiet | tail -40; pack; }
 has policies && { python3 -m specdec bench --policies --preset gpu --device cuda --batch-sizes "${BATCH_SIZES:-16}" \
   ${POLICY_ARGS:---num-prompts 16 --history-prompts 8 --pass-calls 2 --repeats 3 --time-limit-s 300} \
-  --name "policies_$TAG" --out "$WORK" 2>&1 | quiet | tee "$WORK/policies.log" | tail -30; pack; }
-has demo && { python3 -m specdec demo --preset gpu --device cuda --json "$WORK/demo_gpu.json" 2>&1 | quiet \
-  | tee "$WORK/demo_gpu.log"; pack; }
+  --name "policies_$TAG" --out "$WORK" 2>&1 | tee "$WORK/policies.log" | quiet | tail -30; pack; }
+has demo && { python3 -m specdec demo --preset gpu --device cuda --json "$WORK/demo_gpu.json" 2>&1 \
+  | tee "$WORK/demo_gpu.log" | quiet; pack; }
 exit 0

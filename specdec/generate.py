@@ -99,8 +99,8 @@ def generate(
     with contextlib.ExitStack() as stack:  # unwinds in reverse: drafters finish before the target detaches
         stack.enter_context(runner.attached())
         for d in drafters:
+            stack.callback(d.finish)  # first: a start that fails half-way is still undone
             d.start(batch, sampling, device, max_draft)
-            stack.callback(d.finish)
         _prefill(runner, batch, device)
         prefill_time = time.perf_counter() - started
         step = 0

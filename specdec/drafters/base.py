@@ -38,7 +38,7 @@ class Drafter(ABC):
         draft tokens per row ([B] each)."""
 
     def finish(self) -> None:
-        """Release what start() allocated."""
+        """Release what start() allocated; also called after a start() that raised part-way."""
 
     def max_positions(self) -> int | None:
         """The most positions (prompt plus output) the drafter can handle, or None if unbounded."""

@@ -34,11 +34,9 @@ timed as they are configured: a ``ModelDrafter(model, cuda_graphs=True, compile=
 through its graphs. ``step_overhead=True`` also measures what a decoding step costs beyond the
 target's forward (the loop's host work: planning, verifying, committing; measured with plain
 decoding through generate() at the grid's smallest and largest batch) and adds it to the
-target's fixed term, so predicted step times are whole steps. The default grid took 16 s on an
-H200 for a 42M-parameter bf16 Llama target, a 10M drafter and prompt lookup (drafter fits: R^2
-0.98 and 0.99; the target's eager pass was launch-bound at every grid point, about 7 ms, so its
-fit was flat, 15% error);
-``ProfileGrid.tiny()`` takes a few seconds on a CPU. Fitted models are saved as JSON keyed by
+target's fixed term, so predicted step times are whole steps. Cost: the default grid times a few
+hundred forward passes of each model (seconds on a GPU for the zoo's models); ``ProfileGrid.tiny()``
+takes a few seconds on a CPU. Fitted models are saved as JSON keyed by
 model identity (class, config hash, dtype, parameter count) and device name.
 """
 

@@ -11,7 +11,9 @@ from specdec.batch import BatchState
 from specdec.drafters import ModelDrafter
 from specdec.drafters.model import MAX_CATCH_UP_PASSES
 from specdec.types import HostVerdict
-from tests.tiny import ARCHS, hf_greedy, make_model, random_prompts
+from specdec import generate
+from specdec.policies import FixedPolicy
+from tests.tiny import ARCHS, hf_greedy, make_model, perturbed_copy, random_prompts
 
 
 class ChunkingGraphs:
@@ -71,3 +73,21 @@ def test_proposals_follow_the_drafter_after_rollbacks(arch, chunked):
     finally:
         drafter._runner.graphs = None
         drafter.finish()
+
+
+def test_a_drafter_whose_start_fails_part_way_leaves_its_model_restored():
+    """A drafter that attached its runner (switching its model's attention to specdec's) and then
+    failed in start(): generate() still finishes it, so the model works with transformers again."""
+    target = make_model("llama", num_layers=1)
+    small = perturbed_copy(target, 0.05)
+    before = small.config._attn_implementation
+
+    class FailingDrafter(ModelDrafter):
+        def _start(self, *args):
+            super()._start(*args)
+            raise RuntimeError("failed after attaching")
+
+    drafter = FailingDrafter(small)  # held, so no garbage collection closes its attachment instead
+    with pytest.raises(RuntimeError, match="failed after attaching"):
+        generate(target, [[1, 2, 3]], drafter=drafter, policy=FixedPolicy(2), max_new_tokens=4)
+    assert small.config._attn_implementation == before != "specdec"
