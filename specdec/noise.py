@@ -68,12 +68,26 @@ def vocabulary_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return hash32(keys.unsqueeze(-1) ^ hash32(token_ids + 0x27D4EB2F))
 
 
+EXPONENTIAL_BITS = 23  # float32 holds (m + 0.5) / 2**23 exactly for every m < 2**23, strictly inside (0, 1)
+
+
+def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Exp(1) from 32 random bits each: [...] int64 -> [...] float32, finite and > 0 for every input.
+
+    u = (m + 0.5) / 2**23 with m the top 23 bits is exact in float32 and lies in [2**-24, 1 - 2**-24]
+    (with 24 bits the largest m rounds u to 1.0, whose noise 0 made ``0 / 0`` a NaN that argmax
+    picked: a token of probability 0). The noise is -log1p(-u), accurate near both ends, and is
+    clamped to float32's smallest normal number in case a device's log1p rounds 2**-24 to 0.
+    """
+    u = ((bits >> (32 - EXPONENTIAL_BITS)).to(torch.float32) + 0.5) / 2.0**EXPONENTIAL_BITS  # [...]
+    return (-torch.log1p(-u)).clamp(min=torch.finfo(torch.float32).tiny)
+
+
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise over the vocabulary for each key. keys: [...] -> [..., V] float32.
 
     ``argmax(probs / noise)`` is then a sample from ``probs`` (the exponential race), drawn
-    without a host synchronisation.
+    without a host synchronisation. The noise is never 0, infinite or NaN, so a token of
+    probability 0 scores exactly 0 and is never chosen while any token has probability > 0.
     """
-    bits = vocabulary_bits(keys, vocab_size)  # [..., V]
-    u = ((bits >> 8).to(torch.float32) + 0.5) / 2.0**24  # 24 random bits: exact in float32
-    return -torch.log(u)
+    return exponential_from_bits(vocabulary_bits(keys, vocab_size))  # [..., V]

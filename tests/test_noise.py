@@ -77,3 +77,35 @@ def test_cpu_and_cuda_draw_the_same_numbers():
     assert torch.equal(noise.uniform(cpu_keys), noise.uniform(gpu_keys).cpu())  # bit-identical
     # the exponential goes through log, whose last bit may differ between devices
     torch.testing.assert_close(noise.exponential_noise(cpu_keys, 64), noise.exponential_noise(gpu_keys, 64).cpu(), rtol=1e-6, atol=0)
+
+
+def test_exponential_noise_is_finite_and_positive_for_every_bit_pattern():
+    """Every value of the bits the noise reads (2**23 of them), at both ends of each: the largest
+    used to round u to 1.0 and give noise 0 (then 0 / 0 = NaN, which argmax picks)."""
+    fields = torch.arange(2**noise.EXPONENTIAL_BITS, dtype=torch.int64) << (32 - noise.EXPONENTIAL_BITS)
+    low_bits = (1 << (32 - noise.EXPONENTIAL_BITS)) - 1
+    for bits in (fields, fields | low_bits):  # every field with its unread bits all 0, then all 1
+        e = noise.exponential_from_bits(bits)
+        assert torch.isfinite(e).all() and (e > 0).all()
+        assert e.max() < 17.0 and e.min() < 1e-6  # about -log(2**-24) and 2**-24 at the two ends
+    extremes = torch.tensor([0, 1, 2**32 - 1, 2**32 - 2**9, 2**31])
+    assert (noise.exponential_from_bits(extremes) > 0).all()
+    # a zero-probability token scores 0 against any noise, so it never wins the race
+    probs = torch.tensor([0.0, 1.0, 0.0])
+    assert (probs / noise.exponential_from_bits(torch.tensor([2**32 - 1, 0, 2**32 - 1]))).argmax() == 1
+
+
+def test_top_k_one_samples_the_argmax_at_a_large_vocabulary():
+    """With top_k = 1 the processed distribution is one-hot, so every sample must be the argmax.
+    800 draws at V = 32,000 (requests 400-1199): noise that could be 0 (the fault above) picked a
+    zero-probability token in about 0.2% of draws, 3 of these."""
+    from specdec.sampling import next_tokens
+    from specdec.types import SamplingParams
+
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, top_k=1)
+    for first_seed in (400, 800):
+        logits = torch.randn(400, 32_000, generator=generator)  # [R, V]
+        seeds = torch.arange(first_seed, first_seed + 400)
+        tokens, _ = next_tokens(logits, params, seeds, torch.full((400,), 3), noise.TARGET)
+        assert torch.equal(tokens, logits.argmax(dim=-1))
