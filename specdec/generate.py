@@ -24,7 +24,7 @@ from .distributed import tensor_parallel_group
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
-from .runner import ModelRunner, PackedLayout, resolve_backend, runner_for
+from .runner import ModelRunner, PackedLayout, models_in_use, resolve_backend, runner_for
 from .stats import GenerationStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
 from .types import Draft, Plan, SamplingParams
@@ -88,15 +88,19 @@ def generate(
         inputs.normalise_seeds(seed, len(token_prompts)),
         inputs.normalise_eos(eos_token_id, vocab_size),
     )
-    max_draft = policy.max_draft_tokens
+    # a row drafts at most one token fewer than it may still emit (_bounded), so caches and
+    # graphs are sized by what the call can use, not by the policy's largest length
+    max_draft = min(policy.max_draft_tokens, max(max_new_tokens - 1, 0))
     attention, cuda_graphs, compile = resolve_backend(target, attention, cuda_graphs, compile)
     graph_shape = (max_draft + 1, batch.num_rows * (max_draft + 1)) if cuda_graphs else None
-    runner = runner_for(target, role="target", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1,
-                        attention=attention, graph_shape=graph_shape, compile=compile)
     group = tensor_parallel_group(target)  # None unless the target is sharded over processes
     recorder = StatsRecorder(batch.num_rows, max_draft)
     timer = PhaseTimer(device)
-    with contextlib.ExitStack() as stack:  # unwinds in reverse: drafters finish before the target detaches
+    with contextlib.ExitStack() as stack:  # unwinds in reverse: drafters finish, the target detaches, locks go
+        # threads sharing a model take turns: its runners, caches and attention switch are one call's at a time
+        stack.enter_context(models_in_use([target, *(model for d in drafters for model in d.models())]))
+        runner = runner_for(target, role="target", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1,
+                            attention=attention, graph_shape=graph_shape, compile=compile)
         stack.enter_context(runner.attached())
         for d in drafters:
             stack.callback(d.finish)  # first: a start that fails half-way is still undone

@@ -17,9 +17,11 @@ MAX_SEED = 2**63 - 1
 def normalise_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
     """A list of token-id lists or 1-D tensors -> list of int64 arrays, each checked."""
     if isinstance(prompts, torch.Tensor):
+        hint = ("pass [tensor] for one prompt" if prompts.dim() == 1
+                else "pass list(tensor) for a 2-D batch without padding")
         raise TypeError(
             "prompts must be a list of token-id lists or 1-D tensors (one per request, any lengths); "
-            f"got one tensor of shape {tuple(prompts.shape)}: pass list(tensor) for a 2-D batch without padding"
+            f"got one tensor of shape {tuple(prompts.shape)}: {hint}"
         )
     if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
         raise TypeError(f"prompts must be a list of token-id lists or 1-D tensors, got {type(prompts).__name__}")
@@ -107,7 +109,12 @@ def normalise_eos(eos_token_id, vocab_size: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if isinstance(eos_token_id, (torch.Tensor, np.ndarray)):
         eos_token_id = eos_token_id.tolist()
-    ids = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else list(eos_token_id)
+    if isinstance(eos_token_id, (int, np.integer)):
+        ids = [eos_token_id]
+    elif isinstance(eos_token_id, (list, tuple, set, frozenset)):
+        ids = list(eos_token_id)
+    else:
+        raise TypeError(f"eos_token_id must be a token id (int) or a list of them, got {eos_token_id!r}")
     for token in ids:
         if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
             raise ValueError(
@@ -160,4 +167,9 @@ def check_component(value, expected: type, role: str) -> None:
 
 def check_target(target) -> tuple[int, torch.device]:
     check_supported(target)
-    return vocab_size_of(target), device_of(target)
+    device = device_of(target)
+    if all(p.device.type == "meta" for p in target.parameters()):  # (offloading leaves some on meta)
+        raise ValueError("the target is on the meta device (no weights): load or move its weights to a real "
+                         "device first (for example from_pretrained(...) without init on meta, or .to_empty() and "
+                         "load_state_dict)")
+    return vocab_size_of(target), device

@@ -14,8 +14,10 @@ caller's model still works with Hugging Face's ``generate()`` after ours.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -109,6 +111,12 @@ def check_supported(model: object) -> None:
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; specdec needs a decoder-only causal LM")
     if model.get_output_embeddings() is None:
         raise UnsupportedModelError(f"{name} has no language-model head; load it with AutoModelForCausalLM")
+    bidirectional = _bidirectional_attention(model)
+    if bidirectional:
+        raise UnsupportedModelError(
+            f"{name} is not a causal decoder: its attention at {bidirectional} is bidirectional "
+            "(is_causal=False), so it cannot decode left to right; load a causal LM (AutoModelForCausalLM)"
+        )
     text_config = model.config.get_text_config()
     layer_types = set(getattr(text_config, "layer_types", None) or [])
     unsupported = layer_types - {"full_attention", "sliding_attention"}
@@ -130,6 +138,18 @@ def check_supported(model: object) -> None:
             f"{name} does not route its attention through transformers' AttentionInterface "
             "(its class sets _supports_attention_backend=False), so specdec cannot give it a packed KV cache"
         )
+
+
+def _bidirectional_attention(model) -> str | None:
+    """The name of the first attention module of the text decoder that is not causal, or None."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, ValueError, NotImplementedError):
+        decoder = model
+    for name, module in decoder.named_modules():
+        if getattr(module, "is_causal", True) is False:
+            return name or type(module).__name__
+    return None
 
 
 def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, backend) -> AttentionMetadata:
@@ -180,6 +200,33 @@ def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = Fa
         raise ValueError("compile=True fuses the kernels inside the CUDA graphs: pass cuda_graphs=True as well "
                          "(on a CUDA model with attention='fast' or 'auto')")
     return attention, bool(cuda_graphs), compile
+
+
+_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: torch.nn.Module) -> threading.RLock:
+    """The lock that serialises specdec's use of ``model`` (its runners, caches and attention
+    switch), made once per model and dropped with it."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
+
+
+@contextlib.contextmanager
+def models_in_use(models: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Hold the lock of every model a call uses, for the whole call: threads that share a model
+    take turns rather than interleave on one cache. Locks are taken in one global order (by id),
+    so two calls that use the same models in other roles cannot deadlock; they are re-entrant, so
+    a call inside a call (profile() running generate()) on the same thread does not block."""
+    unique = {id(model): model for model in models}
+    with contextlib.ExitStack() as stack:
+        for key in sorted(unique):
+            stack.enter_context(model_lock(unique[key]))
+        yield
 
 
 RUNNERS_ATTRIBUTE = "_specdec_runners"
@@ -245,6 +292,7 @@ class ModelRunner:
         self.backend = BACKENDS[attention]
         self.graphs = None
         self._checked_layers = False
+        self.in_use = False  # a drafter holds it for a call (drafters.model: one runner per drafter in a call)
         self.graph_passes = 0  # forward passes replayed from a captured graph
         self.eager_passes = 0  # forward passes run eagerly (no graphs, or a pass that fits none)
 

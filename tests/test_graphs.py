@@ -41,7 +41,7 @@ def test_no_capture_after_the_warm_up():
     drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True)
     prompts = random_prompts(8, target.config.vocab_size, seed=6)
     first = generate(target, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
-    drafter_role = f"drafter-{id(drafter)}"
+    drafter_role = drafter.runner_role
     target_runner, drafter_runner = runners_of(target)["target"], runners_of(drafter.model)[drafter_role]
     captured = (target_runner.graphs.captures, drafter_runner.graphs.captures)
     assert captured == (len(target_runner.graphs.buckets), len(drafter_runner.graphs.buckets))
@@ -98,7 +98,7 @@ def test_rows_that_pause_drafting_stay_in_the_drafter_graphs():
     prompts = random_prompts(8, target.config.vocab_size, seed=5)
     out = generate(target, prompts, drafter=drafter, policy=PausingPolicy(), max_new_tokens=40, **GRAPHS)
     assert out.sequences == [hf_greedy(target, p, 40) for p in prompts]
-    runner = runners_of(drafter.model)[f"drafter-{id(drafter)}"]
+    runner = runners_of(drafter.model)[drafter.runner_role]
     assert runner.eager_passes <= 1 and runner.graph_passes > 10
 
 

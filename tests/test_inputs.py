@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec import SamplingParams, generate
+from specdec import SamplingParams, UnsupportedModelError, generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
 from tests.tiny import make_model
@@ -180,3 +180,37 @@ def test_compile_without_cuda_graphs(target):
         generate(target, [[1, 2, 3]], compile=True)
     with pytest.raises(TypeError, match="compile must be True or False"):
         generate(target, [[1, 2, 3]], compile="yes")
+
+
+def _masked_lm():
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    return BertForMaskedLM(config).eval()
+
+
+def test_a_bidirectional_model_is_refused_as_target_and_as_drafter(target):
+    with pytest.raises(UnsupportedModelError, match="BertForMaskedLM is not a causal decoder.*bidirectional"):
+        generate(_masked_lm(), [[1, 2, 3]], max_new_tokens=2)
+    with pytest.raises(UnsupportedModelError, match="not a causal decoder"):
+        ModelDrafter(_masked_lm())
+
+
+def test_a_target_without_weights():
+    with torch.device("meta"):
+        meta_target = make_model("llama", device="meta")
+    with pytest.raises(ValueError, match="the target is on the meta device .no weights."):
+        generate(meta_target, [[1, 2]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("eos", [2.0, "2", b"2"])
+def test_eos_of_the_wrong_type(target, eos):
+    with pytest.raises(TypeError, match="eos_token_id must be a token id .int. or a list of them"):
+        generate(target, [[1, 2]], eos_token_id=eos)
+
+
+@pytest.mark.parametrize("shape,hint", [((5,), r"pass \[tensor\] for one prompt"),
+                                        ((2, 5), r"pass list\(tensor\) for a 2-D batch")])
+def test_one_tensor_as_prompts_gets_the_right_hint(target, shape, hint):
+    with pytest.raises(TypeError, match=hint):
+        generate(target, torch.ones(shape, dtype=torch.long), max_new_tokens=2)

@@ -37,6 +37,10 @@ class Drafter(ABC):
         """The step that began at committed lengths ``lengths_before`` accepted ``num_accepted``
         draft tokens per row ([B] each)."""
 
+    def models(self) -> list[torch.nn.Module]:
+        """The torch models this drafter runs (generate() serialises calls that share one)."""
+        return []
+
     def finish(self) -> None:
         """Release what start() allocated; also called after a start() that raised part-way."""
 

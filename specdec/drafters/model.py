@@ -17,6 +17,7 @@ tokens per row than it missed).
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 import torch
@@ -25,13 +26,23 @@ from ..transfer import to_device
 
 from .. import noise
 from ..batch import BatchState
-from ..runner import ModelRunner, PackedLayout, check_supported, device_of, resolve_backend, runner_for, vocab_size_of
+from ..runner import (ModelRunner, PackedLayout, check_supported, device_of, resolve_backend, runner_for, runners_of,
+                      vocab_size_of)
 from ..sampling import next_tokens
 from ..types import PAD_ID, Draft, SamplingParams
 from .base import Drafter
 
 
 MAX_CATCH_UP_PASSES = 4  # graphed passes a lagging catch-up may take before one eager pass does it
+
+
+def _free_drafter_role(model) -> str:
+    """The first drafter runner of ``model`` that no drafter holds now ("drafter-0", "drafter-1",
+    ...): a new ModelDrafter per call reuses the model's runner (and its graphs) instead of adding
+    one, and two drafters of one model in the same call still get a cache each."""
+    runners = runners_of(model)
+    return next(role for role in (f"drafter-{i}" for i in itertools.count())
+                if not getattr(runners.get(role), "in_use", False))
 
 
 class ModelDrafter(Drafter):
@@ -44,9 +55,13 @@ class ModelDrafter(Drafter):
         self.vocab_size = vocab_size_of(model)
         self._runner: ModelRunner | None = None
         self._attached = None
+        self.runner_role: str | None = None  # the model's runner this drafter used last (runners_of(model))
 
     def device(self) -> torch.device:
         return device_of(self.model)
+
+    def models(self) -> list[torch.nn.Module]:
+        return [self.model]
 
     def max_positions(self) -> int | None:
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
@@ -68,9 +83,11 @@ class ModelDrafter(Drafter):
         self.sampling = sampling
         # catch-up passes carry one or two tokens per row after the first step; single-token steps one
         graph_shape = (2, 2 * batch.num_rows) if self.cuda_graphs else None
-        self._runner = runner_for(self.model, role=f"drafter-{id(self)}", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft_tokens + 1,
+        self.runner_role = _free_drafter_role(self.model)
+        self._runner = runner_for(self.model, role=self.runner_role, max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft_tokens + 1,
                                   attention=self.attention, graph_shape=graph_shape, compile=self.compile)
         self._runner.cache.lengths[:] = 0  # a reused runner: nothing cached is valid for this batch
+        self._runner.in_use = True
         self._attached = self._runner.attached()
         self._attached.__enter__()
         self._seeds = to_device(batch.seeds, self.device())
@@ -78,6 +95,8 @@ class ModelDrafter(Drafter):
     def finish(self) -> None:
         if self._attached is not None:
             self._attached.__exit__(None, None, None)
+        if self._runner is not None:
+            self._runner.in_use = False
         self._runner = self._attached = None
 
     def propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:

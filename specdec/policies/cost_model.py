@@ -379,6 +379,14 @@ def profile(target, drafters: Sequence = (), device=None, grid: ProfileGrid | No
     covering the grid exists, and left for generate() to reuse). step_overhead: measure the
     decoding loop's per-step cost beyond the target's forward and fold it into the fixed term
     (module docstring)."""
+    from ..runner import models_in_use
+
+    # calls sharing these models (generate(), another profile) wait their turn
+    with models_in_use([target, *(model for d in drafters for model in d.models())]):
+        return _profile(target, drafters, device, grid, attention, cuda_graphs, compile, step_overhead)
+
+
+def _profile(target, drafters, device, grid, attention, cuda_graphs, compile, step_overhead) -> CostModel:
     from ..batch import BatchState
     from ..runner import (
         ModelRunner,
