@@ -36,8 +36,14 @@ def reference_attention(
     meta: AttentionMetadata,
     scaling: float,
     sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query: [1, H, N, D], key/value: [1, Hkv, N, D] -> output [1, N, H, D]."""
+    """query: [1, H, N, D], key/value: [1, Hkv, N, D] -> output [1, N, H, D].
+
+    softcap (Gemma 2): scores become softcap * tanh(scores / softcap) before the mask. sinks
+    (GPT-OSS): one logit per query head [H] that joins each row's softmax and is then dropped,
+    so a head may attend to nothing."""
     layer_idx = module.layer_idx
     meta.cache.write(layer_idx, meta.token_rows, meta.token_positions, key[0], value[0])
 
@@ -57,6 +63,8 @@ def reference_attention(
     compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     scores = torch.einsum("gqhrd,ghld->ghrql", grouped_query.to(compute_dtype), keys.to(compute_dtype))
     scores = scores * scaling  # [G, Hkv, R, Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
 
     key_positions = torch.arange(kv_len, device=query.device)  # [L]
     query_positions = meta.group_query_positions[:, :, None]  # [G, Q, 1]
@@ -64,7 +72,12 @@ def reference_attention(
     if sliding_window is not None:
         visible &= key_positions > query_positions - sliding_window
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    weights = scores.softmax(dim=-1)
+    if sinks is None:
+        weights = scores.softmax(dim=-1)
+    else:
+        sink_logits = sinks.to(compute_dtype).view(1, num_kv_heads, heads_per_kv, 1, 1)
+        sink_logits = sink_logits.expand(num_groups, -1, -1, max_queries, 1)  # [G, Hkv, R, Q, 1]
+        weights = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]  # the sink's share dropped
     grouped_out = torch.einsum("ghrql,ghld->gqhrd", weights, values.to(compute_dtype))  # [G, Q, Hkv, R, D]
     grouped_out = grouped_out.reshape(num_groups, max_queries, num_heads, head_dim).to(query.dtype)
     return grouped_out[meta.token_group, meta.token_slot][None]  # [1, N, H, D]
@@ -78,11 +91,17 @@ def fast_attention(
     meta: AttentionMetadata,
     scaling: float,
     sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel of ``triton_attention.py``: reads each row's keys up to its real length.
 
-    query: [1, H, N, D], key/value: [1, Hkv, N, D] -> output [1, N, H, D]. CUDA only.
+    query: [1, H, N, D], key/value: [1, Hkv, N, D] -> output [1, N, H, D]. CUDA only. No logit
+    soft-capping or sinks: the runner refuses such models for this backend before any pass.
     """
+    if softcap is not None or sinks is not None:
+        raise ValueError("the fast attention backend implements neither logit soft-capping nor attention sinks; "
+                         "use attention='reference' (attention='auto' does)")
     from .triton_attention import packed_attention
 
     layer_idx = module.layer_idx
@@ -106,12 +125,6 @@ def fast_attention(
 
 BACKENDS: dict[str, Callable] = {"reference": reference_attention, "fast": fast_attention}
 
-_UNSUPPORTED_KWARGS = {
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sink logits",
-}
-
-
 def specdec_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -130,17 +143,12 @@ def specdec_attention(
             f"{type(module).__name__} is set to specdec's attention but was called outside a "
             "specdec runner; restore the model's attention with model.set_attn_implementation('sdpa')"
         )
-    for name, feature in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"{type(module).__name__} uses {feature} ({name}), which specdec's attention "
-                "backends do not implement yet"
-            )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if meta.token_rows.device != query.device:  # a layer on another device than the embeddings
         meta = meta.on(query.device)
-    output = meta.backend(module, query, key, value, meta, scaling, sliding_window)
+    output = meta.backend(module, query, key, value, meta, scaling, sliding_window,
+                          softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     return output, None
 
 

@@ -181,6 +181,16 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def reference_only_feature(model) -> str | None:
+    """What in ``model``'s attention only the reference backend implements, or None: logit
+    soft-capping (Gemma 2) or per-head sink logits (GPT-OSS)."""
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping (attn_logit_softcapping)"
+    if any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()):
+        return "attention sink logits (sinks)"
+    return None
+
+
 def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = False,
                     compile: bool = False) -> tuple[str, bool, bool]:
     """-> (attention, cuda_graphs, compile). "auto" picks the fast Triton attention for a CUDA
@@ -189,7 +199,8 @@ def resolve_backend(model, attention: str = "auto", cuda_graphs: bool | str = Fa
     warm-up and memory per bucket. compile fuses the small kernels of the graphed passes with
     torch.compile, so it needs graphs."""
     # one CUDA device: a model split over devices (device_map) runs the reference backend for now
-    fast_possible = not is_split(model) and device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
+    fast_possible = (not is_split(model) and device_of(model).type == "cuda" and model.dtype in FAST_DTYPES
+                     and reference_only_feature(model) is None)
     if attention == "auto":
         attention = "fast" if fast_possible else "reference"
     if cuda_graphs == "auto":
@@ -273,6 +284,10 @@ class ModelRunner:
                 f"the fast attention backend runs on CUDA in float32, bfloat16 or float16; the model is "
                 f"{model.dtype} on {self.device}: use attention='reference' there"
             )
+        feature = reference_only_feature(model) if attention == "fast" else None
+        if feature is not None:
+            raise ValueError(f"{type(model).__name__} uses {feature}, which the fast attention backend does not "
+                             "implement: use attention='reference' (or 'auto', which picks it for this model)")
         if attention == "fast" and is_split(model):
             raise ValueError("the fast attention backend needs the whole model on one GPU; this one is split over "
                              "several devices (device_map): use attention='reference' (or 'auto')")
