@@ -1,8 +1,8 @@
 """The requests of one generate() call: committed tokens, budgets and which rows are done.
 
 Invariant: ``token_ids[r, :lengths[r]]`` is request r's prompt followed by every token committed
-so far, exactly; a row is finished once it has committed an EOS token or ``max_new_tokens``
-tokens, and a finished row takes part in no further forward pass. All of this is host-side
+so far, exactly; a row is finished once it has committed an EOS token, completed a stop sequence
+or committed ``max_new_tokens`` tokens, and a finished row takes part in no further forward pass. All of this is host-side
 control data, updated once per step from the verdict the step copied to the host.
 """
 
@@ -14,7 +14,8 @@ from .types import PAD_ID, HostVerdict
 
 
 class BatchState:
-    def __init__(self, prompts: list[np.ndarray], max_new_tokens: int, seeds: np.ndarray, eos_token_ids: np.ndarray):
+    def __init__(self, prompts: list[np.ndarray], max_new_tokens: int, seeds: np.ndarray, eos_token_ids: np.ndarray,
+                 stop_sequences: list[np.ndarray] = (), min_new_tokens: int = 0):
         self.num_rows = len(prompts)
         self.prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # [B]
         self.max_new_tokens = max_new_tokens
@@ -25,6 +26,8 @@ class BatchState:
         self.lengths = self.prompt_lengths.copy()  # [B] committed tokens, prompt included
         self.seeds = seeds.astype(np.int64)  # [B]
         self.eos_token_ids = eos_token_ids.astype(np.int64)  # [E], may be empty
+        self.stop_sequences = [np.asarray(s, dtype=np.int64) for s in stop_sequences]  # a row stops after one
+        self.min_new_tokens = min_new_tokens  # EOS is impossible before a row has generated this many
         self.finished = np.full(self.num_rows, max_new_tokens == 0)  # [B]
 
     @property
@@ -60,10 +63,27 @@ class BatchState:
         appended = np.minimum(np.minimum(verdict.num_emitted, through_eos), self.remaining)  # [B]
         rows, cols = np.nonzero(slots < appended[:, None])
         self.token_ids[rows, self.lengths[rows] + cols] = emitted[rows, cols]
-        self.lengths += appended
         hit_eos = is_eos.any(axis=1) & (through_eos <= appended)
-        self.finished |= hit_eos | (self.num_generated >= self.max_new_tokens)
+        hit_stop = self._cut_at_stop_sequences(appended)
+        self.lengths += appended
+        self.finished |= hit_eos | hit_stop | (self.num_generated >= self.max_new_tokens)
         return appended
+
+    def _cut_at_stop_sequences(self, appended: np.ndarray) -> np.ndarray:
+        """Shorten ``appended`` [B] (in place) to end right after the first stop sequence that one
+        of a row's new tokens completes (a match may begin in the prompt); -> [B] rows that hit one."""
+        hit = np.zeros(self.num_rows, dtype=bool)
+        if not self.stop_sequences:
+            return hit
+        for row in np.flatnonzero(appended):
+            start = self.lengths[row]
+            for end in range(start + 1, start + appended[row] + 1):  # each new token, in order
+                if any(end >= len(s) and np.array_equal(self.token_ids[row, end - len(s) : end], s)
+                       for s in self.stop_sequences):
+                    self.token_ids[row, end : start + appended[row]] = PAD_ID
+                    appended[row], hit[row] = end - start, True
+                    break
+        return hit
 
     def outputs(self) -> list[list[int]]:
         """Generated tokens per request: prompt excluded, EOS included."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -51,12 +52,24 @@ def generate(
     attention: str = "auto",
     cuda_graphs: bool | str = False,
     compile: bool = False,
+    *,
+    attention_mask=None,
+    min_new_tokens: int = 0,
+    stop_sequences: list[list[int]] | None = None,
+    stream: Callable[[int, list[int]], None] | None = None,
 ) -> GenerateOutput:
     """Generate from ``target`` for every prompt, speculatively.
 
-    prompts: token-id lists or 1-D tensors, any lengths. drafter: one Drafter or a list (the
-    policy picks per row); none means plain decoding. eos_token_id: None never stops early; an
-    id or a list of ids stops a row after it emits one. seed: an int (request i uses seed + i)
+    prompts: token-id lists or 1-D tensors, any lengths; or one [B, T] tensor, padded on the left
+    or the right with ``attention_mask`` [B, T] (1 for tokens), as a tokenizer returns it.
+    drafter: one Drafter or a list (the policy picks per row); none means plain decoding.
+    eos_token_id: an id or a list of ids stops a row after it emits one; None takes the model's
+    ``generation_config.eos_token_id`` (as transformers does), and [] never stops early.
+    min_new_tokens: EOS cannot be emitted before a row has this many new tokens (its logits are
+    -inf there, for the target and the drafters alike). stop_sequences: token-id lists; a row stops
+    right after emitting one (it may begin in the prompt). stream: called after every step with
+    (request index, the token ids just committed to it) for each request that got some.
+    seed: an int (request i uses seed + i)
     or one per prompt; a request's output depends only on its own seed, not on its batch.
     attention: "reference" (plain torch, any device), "fast" (Triton, CUDA) or "auto" (fast on
     CUDA). cuda_graphs: capture the target's verify passes as CUDA graphs (needs the fast
@@ -67,8 +80,13 @@ def generate(
     """
     started = time.perf_counter()
     vocab_size, device = inputs.check_target(target)
-    token_prompts = inputs.normalise_prompts(prompts, vocab_size)
+    token_prompts = inputs.normalise_prompts(prompts, vocab_size, attention_mask)
     max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
+    min_new_tokens = inputs.check_min_new_tokens(min_new_tokens, max_new_tokens)
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    if stream is not None and not callable(stream):
+        raise TypeError(f"stream must be a function of (request index, token ids), got {type(stream).__name__}")
     inputs.check_lengths_fit(target, token_prompts, max_new_tokens)
     sampling = SamplingParams() if sampling is None else sampling
     if not isinstance(sampling, SamplingParams):
@@ -87,6 +105,8 @@ def generate(
         max_new_tokens,
         inputs.normalise_seeds(seed, len(token_prompts)),
         inputs.normalise_eos(eos_token_id, vocab_size),
+        inputs.normalise_stop_sequences(stop_sequences, vocab_size),
+        min_new_tokens,
     )
     # a row drafts at most one token fewer than it may still emit (_bounded), so caches and
     # graphs are sized by what the call can use, not by the policy's largest length
@@ -122,6 +142,9 @@ def generate(
             appended = batch.commit(host)
             for d in drafters:
                 d.commit(lengths_before, host.num_accepted)
+            if stream is not None:
+                for row in np.flatnonzero(appended):
+                    stream(int(row), batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist())
             times = timer.collect()
             record = StepRecord(
                 step=step,

@@ -14,14 +14,18 @@ from .runner import check_supported, device_of, vocab_size_of
 MAX_SEED = 2**63 - 1
 
 
-def normalise_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
-    """A list of token-id lists or 1-D tensors -> list of int64 arrays, each checked."""
-    if isinstance(prompts, torch.Tensor):
-        hint = ("pass [tensor] for one prompt" if prompts.dim() == 1
-                else "pass list(tensor) for a 2-D batch without padding")
+def normalise_prompts(prompts, vocab_size: int, attention_mask=None) -> list[np.ndarray]:
+    """A list of token-id lists or 1-D tensors, or a [B, T] tensor (padded on either side, with
+    its ``attention_mask``) -> list of int64 arrays, each checked."""
+    if isinstance(prompts, (torch.Tensor, np.ndarray)) and np.ndim(prompts) != 1:
+        prompts = _unpadded_rows(prompts, attention_mask)
+    elif attention_mask is not None:
+        raise TypeError("attention_mask goes with prompts as one padded [B, T] tensor; prompts given as a list "
+                        "need no mask (each prompt has its own length)")
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
         raise TypeError(
-            "prompts must be a list of token-id lists or 1-D tensors (one per request, any lengths); "
-            f"got one tensor of shape {tuple(prompts.shape)}: {hint}"
+            "prompts must be a list of token-id lists or 1-D tensors (one per request, any lengths), or a [B, T] "
+            f"tensor; got one tensor of shape {tuple(prompts.shape)}: pass [tensor] for one prompt"
         )
     if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
         raise TypeError(f"prompts must be a list of token-id lists or 1-D tensors, got {type(prompts).__name__}")
@@ -64,6 +68,61 @@ def normalise_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
             )
         arrays.append(array)
     return arrays
+
+
+def _unpadded_rows(prompts, attention_mask) -> list[torch.Tensor]:
+    """The rows of a [B, T] tensor, each cut to where ``attention_mask`` [B, T] is 1 (a row's ones
+    must be contiguous: left or right padding), or whole without a mask."""
+    tokens = torch.as_tensor(prompts)
+    if tokens.dim() != 2:
+        raise TypeError(f"prompts as one tensor must be 2-D [batch, tokens], got shape {tuple(tokens.shape)}")
+    if attention_mask is None:
+        return list(tokens)
+    mask = torch.as_tensor(attention_mask).to("cpu")
+    if mask.shape != tokens.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but prompts {tuple(tokens.shape)}: "
+                         "pass the mask the tokenizer returned with these ids")
+    if not torch.all((mask == 0) | (mask == 1)):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (a token)")
+    rows = []
+    for index, (row, keep) in enumerate(zip(tokens, mask.bool())):
+        kept = torch.nonzero(keep).flatten()
+        if len(kept) == 0:
+            raise ValueError(f"prompt {index} is all padding (its attention_mask row has no 1)")
+        first, last = int(kept[0]), int(kept[-1])
+        if last - first + 1 != len(kept):
+            raise ValueError(f"prompt {index}'s attention_mask has padding between tokens; only left or right "
+                             "padding can be removed")
+        rows.append(row[first : last + 1])
+    return rows
+
+
+def normalise_stop_sequences(stop_sequences, vocab_size: int) -> list[np.ndarray]:
+    """None or a list of token-id lists (each non-empty) -> list of int64 arrays."""
+    if stop_sequences is None:
+        return []
+    if isinstance(stop_sequences, (str, bytes, torch.Tensor)) or not isinstance(stop_sequences, Sequence):
+        raise TypeError(f"stop_sequences must be a list of token-id lists, got {type(stop_sequences).__name__}")
+    found = []
+    for index, sequence in enumerate(stop_sequences):
+        if isinstance(sequence, (int, np.integer)):
+            raise TypeError(f"stop sequence {index} is one id ({sequence}); stop_sequences holds lists of ids: "
+                            f"[[{sequence}]] for one token, or pass it as eos_token_id")
+        if isinstance(sequence, torch.Tensor):
+            sequence = sequence.tolist()
+        if isinstance(sequence, (str, bytes)) or not isinstance(sequence, Sequence) or not all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab_size for t in sequence):
+            raise ValueError(f"stop sequence {index} must be a list of token ids in [0, {vocab_size}), got {sequence!r}")
+        if len(sequence) == 0:
+            raise ValueError(f"stop sequence {index} is empty")
+        found.append(np.asarray(sequence, dtype=np.int64))
+    return found
+
+
+def check_min_new_tokens(min_new_tokens, max_new_tokens: int) -> int:
+    if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, (int, np.integer)) or min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
+    return int(min_new_tokens)
 
 
 def check_max_new_tokens(max_new_tokens) -> int:

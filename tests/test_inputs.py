@@ -34,8 +34,8 @@ def test_token_id_outside_the_vocabulary(target):
 def test_prompts_of_the_wrong_type(target):
     with pytest.raises(TypeError, match="tokenize text first"):
         generate(target, ["hello"])
-    with pytest.raises(TypeError, match=r"list\(tensor\)"):
-        generate(target, torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"must be 2-D \[batch, tokens\], got shape \(2, 3, 1\)"):
+        generate(target, torch.ones(2, 3, 1, dtype=torch.long))
     with pytest.raises(TypeError, match="integer tensor"):
         generate(target, [torch.ones(3)])
 
@@ -209,8 +209,44 @@ def test_eos_of_the_wrong_type(target, eos):
         generate(target, [[1, 2]], eos_token_id=eos)
 
 
-@pytest.mark.parametrize("shape,hint", [((5,), r"pass \[tensor\] for one prompt"),
-                                        ((2, 5), r"pass list\(tensor\) for a 2-D batch")])
-def test_one_tensor_as_prompts_gets_the_right_hint(target, shape, hint):
-    with pytest.raises(TypeError, match=hint):
-        generate(target, torch.ones(shape, dtype=torch.long), max_new_tokens=2)
+def test_one_1d_tensor_as_prompts_gets_the_right_hint(target):
+    with pytest.raises(TypeError, match=r"pass \[tensor\] for one prompt"):
+        generate(target, torch.ones(5, dtype=torch.long), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("mask,message", [
+    (torch.ones(2, 4, dtype=torch.long), r"attention_mask has shape \(2, 4\) but prompts \(2, 3\)"),
+    (torch.tensor([[1, 0, 1], [1, 1, 1]]), "prompt 0's attention_mask has padding between tokens"),
+    (torch.tensor([[0, 0, 0], [1, 1, 1]]), "prompt 0 is all padding"),
+    (torch.tensor([[2, 1, 1], [1, 1, 1]]), "only 0 .padding. and 1"),
+])
+def test_a_bad_attention_mask(target, mask, message):
+    with pytest.raises(ValueError, match=message):
+        generate(target, torch.ones(2, 3, dtype=torch.long), attention_mask=mask, max_new_tokens=2)
+
+
+def test_an_attention_mask_with_a_list_of_prompts(target):
+    with pytest.raises(TypeError, match="attention_mask goes with prompts as one padded"):
+        generate(target, [[1, 2]], attention_mask=torch.ones(1, 2), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("stops,error,message", [
+    ([3], TypeError, r"stop sequence 0 is one id \(3\).*\[\[3\]\]"),
+    ([[]], ValueError, "stop sequence 0 is empty"),
+    ([[1, 500]], ValueError, r"stop sequence 0 must be a list of token ids in \[0, 96\)"),
+    ("ab", TypeError, "stop_sequences must be a list of token-id lists"),
+])
+def test_bad_stop_sequences(target, stops, error, message):
+    with pytest.raises(error, match=message):
+        generate(target, [[1, 2]], stop_sequences=stops, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_bad_min_new_tokens(target, value):
+    with pytest.raises(ValueError, match="min_new_tokens must be an integer >= 0"):
+        generate(target, [[1, 2]], min_new_tokens=value, max_new_tokens=2)
+
+
+def test_a_stream_that_is_not_a_function(target):
+    with pytest.raises(TypeError, match="stream must be a function"):
+        generate(target, [[1, 2]], stream=[], max_new_tokens=2)

@@ -1,0 +1,108 @@
+"""What Hugging Face users expect of generate() (issue 31): the model's generation_config EOS,
+padded [B, T] tensors with an attention mask, stop sequences and streaming; each checked
+against transformers' own greedy decoding and plain Python oracles, with a drafter too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import generate
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.policies import FixedPolicy
+from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
+
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model("llama", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def drafter_model(target):
+    return perturbed_copy(target, 0.05)
+
+
+def drafters(drafter_model):
+    return {"plain": (None, FixedPolicy(0)), "model": (ModelDrafter(drafter_model), FixedPolicy(3)),
+            "lookup": (PromptLookupDrafter(), FixedPolicy(3))}
+
+
+def hf_default_greedy(model, prompt):
+    """transformers' greedy decoding with the model's own generation_config (no eos argument)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["plain", "model", "lookup"])
+def test_the_generation_config_eos_stops_rows_when_none_is_given(target, drafter_model, kind):
+    prompts = random_prompts(4, 96, seed=11, min_len=3)
+    free = [hf_greedy(target, p, NEW) for p in prompts]
+    eos = free[0][5]  # the first row stops at its sixth token
+    target.generation_config.eos_token_id = eos
+    try:
+        expected = [hf_default_greedy(target, p) for p in prompts]  # transformers reads the same config
+        drafter, policy = drafters(drafter_model)[kind]
+        assert generate(target, prompts, drafter=drafter, policy=policy, max_new_tokens=NEW).sequences == expected
+        assert len(expected[0]) <= 6 and expected[0][-1] == eos
+        # [] never stops early, whatever the config says
+        assert generate(target, prompts, eos_token_id=[], max_new_tokens=NEW).sequences == free
+    finally:
+        target.generation_config.eos_token_id = None
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_tensor_with_its_mask_decodes_as_the_unpadded_prompts(target, drafter_model, side):
+    prompts = random_prompts(5, 96, seed=12, min_len=2, max_len=9)
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), 7)  # padding with a real token id: only the mask says it is padding
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        cols = slice(width - len(prompt), width) if side == "left" else slice(0, len(prompt))
+        ids[row, cols], mask[row, cols] = torch.tensor(prompt), 1
+    expected = [hf_greedy(target, p, NEW) for p in prompts]
+    out = generate(target, ids, attention_mask=mask, drafter=ModelDrafter(drafter_model), policy=FixedPolicy(3),
+                   max_new_tokens=NEW)
+    assert out.sequences == expected
+    # without a mask every column is a token: the pad ids are read as part of the prompt
+    unmasked = generate(target, ids, max_new_tokens=NEW).sequences
+    assert unmasked == [hf_greedy(target, row.tolist(), NEW) for row in ids]
+
+
+def stop_oracle(prompt, free_running, stops):
+    """The free-running output cut right after the first new token that completes a stop sequence."""
+    full = list(prompt)
+    for index, token in enumerate(free_running):
+        full.append(token)
+        if any(len(full) >= len(s) and full[-len(s):] == list(s) for s in stops):
+            return free_running[: index + 1]
+    return free_running
+
+
+@pytest.mark.parametrize("kind", ["plain", "model", "lookup"])
+def test_stop_sequences_end_rows_right_after_them(target, drafter_model, kind):
+    prompts = random_prompts(4, 96, seed=13, min_len=3)
+    free = [hf_greedy(target, p, NEW) for p in prompts]
+    # one sequence taken from inside row 0's output (completed by a token mid-draft), one that
+    # begins in row 1's prompt, and one that never occurs
+    stops = [free[0][6:9], [prompts[1][-1], free[1][0]], [95, 95, 95, 95, 95]]
+    expected = [stop_oracle(p, f, stops) for p, f in zip(prompts, free)]
+    assert len(expected[0]) <= 9 and expected[1] == free[1][:1]
+    drafter, policy = drafters(drafter_model)[kind]
+    out = generate(target, prompts, drafter=drafter, policy=policy, max_new_tokens=NEW, stop_sequences=stops)
+    assert out.sequences == expected
+
+
+def test_streaming_hands_over_each_rows_new_tokens_after_every_step(target, drafter_model):
+    prompts = random_prompts(3, 96, seed=14, min_len=3)
+    pieces = []
+    out = generate(target, prompts, drafter=ModelDrafter(drafter_model), policy=FixedPolicy(3), max_new_tokens=NEW,
+                   stream=lambda index, tokens: pieces.append((index, tokens)))
+    for row, sequence in enumerate(out.sequences):
+        mine = [tokens for index, tokens in pieces if index == row]
+        assert sum(mine, []) == sequence and all(mine)  # in order, nothing lost, no empty call
+        assert len(mine) == out.stats.requests[row].steps  # one call per step the row took part in
+    assert len(pieces) > len(prompts)
