@@ -29,6 +29,7 @@ class BatchState:
         self.stop_sequences = [np.asarray(s, dtype=np.int64) for s in stop_sequences]  # a row stops after one
         self.min_new_tokens = min_new_tokens  # EOS is impossible before a row has generated this many
         self.finished = np.full(self.num_rows, max_new_tokens == 0)  # [B]
+        self.logprobs: np.ndarray | None = None  # [B, T] float32 once a verdict carries them
 
     @property
     def num_generated(self) -> np.ndarray:
@@ -63,6 +64,10 @@ class BatchState:
         appended = np.minimum(np.minimum(verdict.num_emitted, through_eos), self.remaining)  # [B]
         rows, cols = np.nonzero(slots < appended[:, None])
         self.token_ids[rows, self.lengths[rows] + cols] = emitted[rows, cols]
+        if verdict.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = np.full(self.token_ids.shape, np.nan, dtype=np.float32)
+            self.logprobs[rows, self.lengths[rows] + cols] = verdict.logprobs[rows, cols]
         hit_eos = is_eos.any(axis=1) & (through_eos <= appended)
         hit_stop = self._cut_at_stop_sequences(appended)
         self.lengths += appended
@@ -88,3 +93,9 @@ class BatchState:
     def outputs(self) -> list[list[int]]:
         """Generated tokens per request: prompt excluded, EOS included."""
         return [self.token_ids[r, self.prompt_lengths[r] : self.lengths[r]].tolist() for r in range(self.num_rows)]
+
+    def output_logprobs(self) -> list[list[float]] | None:
+        """Each generated token's log-probability, as ``outputs()`` (verdicts must carry them)."""
+        if self.logprobs is None:  # no step ran (max_new_tokens = 0)
+            return [[] for _ in range(self.num_rows)]
+        return [self.logprobs[r, self.prompt_lengths[r] : self.lengths[r]].tolist() for r in range(self.num_rows)]

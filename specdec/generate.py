@@ -37,6 +37,7 @@ from .verifiers.padding_free import PaddingFreeVerifier
 class GenerateOutput:
     sequences: list[list[int]]  # per prompt: generated token ids, prompt excluded, EOS included
     stats: GenerationStats
+    logprobs: list[list[float]] | None = None  # per prompt, per generated token (return_logprobs=True)
 
 
 def generate(
@@ -57,6 +58,7 @@ def generate(
     min_new_tokens: int = 0,
     stop_sequences: list[list[int]] | None = None,
     stream: Callable[[int, list[int]], None] | None = None,
+    return_logprobs: bool = False,
 ) -> GenerateOutput:
     """Generate from ``target`` for every prompt, speculatively.
 
@@ -69,6 +71,8 @@ def generate(
     -inf there, for the target and the drafters alike). stop_sequences: token-id lists; a row stops
     right after emitting one (it may begin in the prompt). stream: called after every step with
     (request index, the token ids just committed to it) for each request that got some.
+    return_logprobs: also return each generated token's log-probability under the target's
+    processed distribution (the log-softmax of the logits when greedy).
     seed: an int (request i uses seed + i)
     or one per prompt; a request's output depends only on its own seed, not on its batch.
     attention: "reference" (plain torch, any device), "fast" (Triton, CUDA) or "auto" (fast on
@@ -135,7 +139,7 @@ def generate(
             with timer.phase("draft"):
                 draft = _propose(drafters, batch, plan, device, vocab_size, timer)
             with timer.phase("verify"):
-                verdict, cost = verifier.verify(runner, batch, draft, sampling)
+                verdict, cost = verifier.verify(runner, batch, draft, sampling, logprobs=return_logprobs)
             rows = batch.active_rows()
             host = verdict.to_host(group)  # the step's one synchronisation (rank 0 decides)
             lengths_before = batch.lengths.copy()
@@ -165,7 +169,8 @@ def generate(
             policy.observe(record)
             step += 1
     stats = recorder.finish(wall_time_s=time.perf_counter() - started, prefill_time_s=prefill_time)
-    return GenerateOutput(sequences=batch.outputs(), stats=stats)
+    return GenerateOutput(sequences=batch.outputs(), stats=stats,
+                          logprobs=batch.output_logprobs() if return_logprobs else None)
 
 
 def _prefill(runner: ModelRunner, batch: BatchState, device: torch.device) -> None:

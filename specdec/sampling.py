@@ -119,6 +119,19 @@ def chain_verdict(
     return Verdict(token_ids=token_ids, num_emitted=num_emitted, num_accepted=num_accepted)
 
 
+def emitted_logprobs(target_logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probability of each emitted token under the target's processed distribution at its
+    slot: log-softmax of the logits when greedy (as transformers' transition scores), the log of
+    ``process_logits`` otherwise. target_logits: [R, K+1, V], token_ids: [R, K+1] (PAD_ID beyond
+    the emitted ones, which get 0) -> [R, K+1] float32."""
+    if params.greedy:
+        log_probs = target_logits.float().log_softmax(dim=-1)  # [R, K+1, V]
+    else:
+        log_probs = process_logits(target_logits, params).log()
+    chosen = log_probs.gather(-1, token_ids.clamp(min=0)[..., None])[..., 0]  # [R, K+1]
+    return chosen.masked_fill(token_ids == PAD_ID, 0.0)
+
+
 def _residual_probs(
     target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_ids: torch.Tensor, is_draft_slot: torch.Tensor
 ) -> torch.Tensor:

@@ -28,15 +28,18 @@ PAD_ID = -1  # fills token slots beyond a row's count
 class SamplingParams:
     """How the target's next-token distribution is processed before sampling.
 
-    ``temperature=0`` is greedy decoding (top-k and top-p are then ignored). Otherwise the
-    logits are divided by the temperature, cut to the ``top_k`` most likely tokens, then to the
-    smallest set whose probability reaches ``top_p`` (the order Hugging Face applies them in).
-    Speculative decoding is lossless with respect to this processed distribution.
+    ``repetition_penalty`` (greedy decoding too) first divides the logit of every token that
+    already occurs in the row by the penalty when positive and multiplies it when negative
+    (token_rules.py). ``temperature=0`` is greedy decoding (top-k and top-p are then ignored).
+    Otherwise the logits are divided by the temperature, cut to the ``top_k`` most likely
+    tokens, then to the smallest set whose probability reaches ``top_p`` (the order Hugging Face
+    applies them in). Speculative decoding is lossless with respect to this processed distribution.
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    repetition_penalty: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, numbers.Real) or math.isnan(self.temperature):
@@ -52,6 +55,10 @@ class SamplingParams:
             not isinstance(self.top_p, numbers.Real) or not (0.0 < self.top_p <= 1.0)
         ):
             raise ValueError(f"top_p must lie in (0, 1] or be None (no cut), got {self.top_p!r}")
+        penalty = self.repetition_penalty
+        if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, numbers.Real)
+                                    or not 0.0 < penalty < float("inf")):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 changes nothing) or None, got {penalty!r}")
 
     @property
     def greedy(self) -> bool:
@@ -113,17 +120,27 @@ class Verdict:
     token_ids: torch.Tensor  # [B, K+1] int64, PAD_ID beyond num_emitted
     num_emitted: torch.Tensor  # [B] int64
     num_accepted: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B, K+1] float32: log p of each emitted token, when asked for
 
     def to_host(self, group=None) -> "HostVerdict":
         """Copy to the host: the one synchronisation of a decoding step. With a process
-        ``group`` (a tensor-parallel target), every rank gets rank 0's verdict."""
-        packed = torch.cat([self.token_ids, self.num_emitted[:, None], self.num_accepted[:, None]], dim=1)
+        ``group`` (a tensor-parallel target), every rank gets rank 0's verdict. Log-probabilities
+        travel in the same transfer, as the bits of their float32 values."""
+        parts = [self.token_ids, self.num_emitted[:, None], self.num_accepted[:, None]]
+        if self.logprobs is not None:
+            parts.append(self.logprobs.float().contiguous().view(torch.int32).long())  # [B, K+1]
+        packed = torch.cat(parts, dim=1)
         if group is not None:
             from .distributed import broadcast_from_first_rank
 
             packed = broadcast_from_first_rank(packed, group)
-        host = packed.cpu().numpy()  # [B, K+3], one transfer
-        return HostVerdict(token_ids=host[:, :-2], num_emitted=host[:, -2], num_accepted=host[:, -1])
+        host = packed.cpu().numpy()  # [B, K+3] or [B, 2K+4], one transfer
+        width = self.token_ids.shape[1]
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = np.ascontiguousarray(host[:, width + 2 :]).astype(np.int32).view(np.float32)
+        return HostVerdict(token_ids=host[:, :width], num_emitted=host[:, width], num_accepted=host[:, width + 1],
+                           logprobs=logprobs)
 
 
 @dataclass
@@ -131,6 +148,7 @@ class HostVerdict:
     token_ids: np.ndarray  # [B, K+1]
     num_emitted: np.ndarray  # [B]
     num_accepted: np.ndarray  # [B]
+    logprobs: np.ndarray | None = None  # [B, K+1] float32
 
 
 @dataclass

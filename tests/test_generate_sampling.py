@@ -126,3 +126,54 @@ def test_same_seed_same_output_different_seed_different_output(target):
     again = generate(target, [PROMPT] * 4, seed=7, **kwargs).sequences
     other = generate(target, [PROMPT] * 4, seed=8, **kwargs).sequences
     assert first == again and first != other
+
+
+def hf_processed_joint(model, penalty: float, min_new_tokens: int, eos: int) -> np.ndarray:
+    """[V, V] exact probabilities of the first two tokens under transformers' own processors:
+    repetition penalty and min_new_tokens on the float32 logits, then PARAMS' warpers."""
+    from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
+                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    processors = [RepetitionPenaltyLogitsProcessor(penalty),
+                  MinNewTokensLengthLogitsProcessor(len(PROMPT), min_new_tokens, eos),
+                  TemperatureLogitsWarper(PARAMS.temperature), TopKLogitsWarper(PARAMS.top_k),
+                  TopPLogitsWarper(PARAMS.top_p)]
+
+    def next_probs(input_ids: torch.Tensor) -> torch.Tensor:  # [N, L] -> [N, V]
+        with torch.no_grad():
+            scores = model(input_ids).logits[:, -1].float()
+        for processor in processors:
+            scores = processor(input_ids, scores)
+        return scores.softmax(dim=-1)
+
+    first = next_probs(torch.tensor([PROMPT]))[0]  # [V]
+    second = next_probs(torch.tensor([PROMPT + [t] for t in range(VOCAB)]))  # [V, V]
+    return (first[:, None] * second).double().numpy()
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "lookup"])
+def test_repetition_penalty_and_min_new_tokens_keep_the_target_distribution(target, drafter_model, drafter_kind):
+    """With a repetition penalty of 1.5 and EOS (the likeliest first token) held back for 2 new
+    tokens, the first two sampled tokens follow transformers' processed joint; the same test
+    tells apart the joint without those rules."""
+    plain_joint = joint_first_two(target, PARAMS)
+    eos = int(plain_joint.sum(axis=1).argmax())
+    drafter = ModelDrafter(drafter_model) if drafter_kind == "model" else PromptLookupDrafter()
+    sampling = SamplingParams(temperature=PARAMS.temperature, top_k=PARAMS.top_k, top_p=PARAMS.top_p,
+                              repetition_penalty=1.5)
+    out = generate(target, [PROMPT] * N, drafter=drafter, policy=FixedPolicy(2), max_new_tokens=4, sampling=sampling,
+                   seed=0, eos_token_id=eos, min_new_tokens=2, return_logprobs=True)
+    first_two = [s[:2] for s in out.sequences]
+    assert 0.0 < out.stats.acceptance_rate < 1.0
+    joint = hf_processed_joint(target, 1.5, 2, eos)
+    assert joint_pvalue(first_two, joint) > ALPHA
+    assert joint_pvalue(first_two, plain_joint) < ALPHA
+    # each emitted token's log-probability is that of the processed distribution it was drawn from
+    first_logprobs = np.array([lp[0] for lp in out.logprobs])
+    second_logprobs = np.array([lp[1] for lp in out.logprobs])
+    pairs = np.array(first_two)  # [N, 2]
+    first_marginal = joint.sum(axis=1)
+    np.testing.assert_allclose(first_logprobs, np.log(first_marginal[pairs[:, 0]]), atol=1e-5)
+    np.testing.assert_allclose(second_logprobs, np.log(joint[pairs[:, 0], pairs[:, 1]] / first_marginal[pairs[:, 0]]),
+                               atol=1e-5)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import generate
+from specdec import SamplingParams, generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
@@ -106,3 +106,56 @@ def test_streaming_hands_over_each_rows_new_tokens_after_every_step(target, draf
         assert sum(mine, []) == sequence and all(mine)  # in order, nothing lost, no empty call
         assert len(mine) == out.stats.requests[row].steps  # one call per step the row took part in
     assert len(pieces) > len(prompts)
+
+
+def hf_greedy_with(model, prompt, eos, **options):
+    """transformers' greedy decoding with its own logits processors for ``options``."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                         eos_token_id=eos, pad_token_id=0, **options)
+    return out[0, len(prompt):].tolist()
+
+
+RULES = {"penalty": dict(repetition_penalty=1.6), "min_new": dict(min_new_tokens=6),
+         "both": dict(repetition_penalty=0.7, min_new_tokens=6)}  # a penalty below 1 favours repeats
+
+
+@pytest.mark.parametrize("rules", sorted(RULES))
+@pytest.mark.parametrize("kind", ["plain", "model", "lookup"])
+def test_repetition_penalty_and_min_new_tokens_match_transformers(target, drafter_model, kind, rules):
+    prompts = random_prompts(4, 96, seed=15, min_len=3)
+    options = RULES[rules]
+    free = [hf_greedy_with(target, p, None, **{k: v for k, v in options.items() if k != "min_new_tokens"})
+            for p in prompts]
+    eos = free[0][1]  # early in row 0's output: min_new_tokens holds it back there
+    expected = [hf_greedy_with(target, p, eos, **options) for p in prompts]
+    if "min_new_tokens" in options:
+        assert len(expected[0]) > 2  # the rule changed row 0's output
+    if "repetition_penalty" in options:
+        assert free != [hf_greedy_with(target, p, None) for p in prompts]  # and the penalty changes outputs
+    drafter, policy = drafters(drafter_model)[kind]
+    sampling = SamplingParams(repetition_penalty=options.get("repetition_penalty"))
+    out = generate(target, prompts, drafter=drafter, policy=policy, max_new_tokens=NEW, eos_token_id=eos,
+                   sampling=sampling, min_new_tokens=options.get("min_new_tokens", 0))
+    assert out.sequences == expected
+
+
+@pytest.mark.parametrize("penalty", [None, 1.6])
+@pytest.mark.parametrize("kind", ["plain", "model", "lookup"])
+def test_greedy_logprobs_equal_transformers_transition_scores(target, drafter_model, kind, penalty):
+    prompts = random_prompts(3, 96, seed=16, min_len=3)
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                              pad_token_id=0, repetition_penalty=penalty, output_scores=True,
+                              return_dict_in_generate=True)
+        scores = target.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)[0]
+        expected.append((out.sequences[0, len(prompt):].tolist(), scores.tolist()))
+    drafter, policy = drafters(drafter_model)[kind]
+    out = generate(target, prompts, drafter=drafter, policy=policy, max_new_tokens=NEW, return_logprobs=True,
+                   sampling=SamplingParams(repetition_penalty=penalty))
+    for (tokens, scores), sequence, logprobs in zip(expected, out.sequences, out.logprobs):
+        assert sequence == tokens and len(logprobs) == len(tokens)
+        assert logprobs == pytest.approx(scores, abs=1e-5)
+        assert all(lp < 0 for lp in logprobs)

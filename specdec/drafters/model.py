@@ -29,6 +29,7 @@ from ..batch import BatchState
 from ..runner import (ModelRunner, PackedLayout, check_supported, device_of, resolve_backend, runner_for, runners_of,
                       vocab_size_of)
 from ..sampling import next_tokens
+from ..token_rules import apply_token_rules, rules_active
 from ..types import PAD_ID, Draft, SamplingParams
 from .base import Drafter
 
@@ -119,8 +120,12 @@ class ModelDrafter(Drafter):
 
         cached = runner.cache.lengths
         greedy = self.sampling.greedy
+        rules = rules_active(batch, self.sampling)
         rows_t = to_device(rows, device)  # [R]
         for depth in range(max_tokens):
+            if rules:  # the target's rules at this position, so that fewer drafts are rejected for them
+                logits = apply_token_rules(logits[:, None], batch, rows, token_ids[rows_t, :depth], depth,
+                                           self.sampling)[:, 0]
             if greedy:  # no randomness: neither seeds nor positions are needed
                 chosen, chosen_probs = logits.argmax(dim=-1), None
             else:

@@ -19,14 +19,17 @@ from ..transfer import to_device_many
 
 from ..batch import BatchState
 from ..runner import ModelRunner, PackedLayout
-from ..sampling import chain_verdict
+from ..sampling import chain_verdict, emitted_logprobs
+from ..token_rules import apply_token_rules, rules_active
 from ..types import PAD_ID, Draft, SamplingParams, Verdict, VerifyCost
 
 
 class Verifier(ABC):
     def verify(
-        self, runner: ModelRunner, batch: BatchState, draft: Draft, sampling: SamplingParams
+        self, runner: ModelRunner, batch: BatchState, draft: Draft, sampling: SamplingParams, logprobs: bool = False
     ) -> tuple[Verdict, VerifyCost]:
+        """One target pass over every active row's chain -> (verdict, cost); with ``logprobs`` the
+        verdict carries each emitted token's log-probability (sampling.emitted_logprobs)."""
         rows = batch.active_rows()  # [A]
         device = runner.device
         num_draft = draft.num_tokens[rows]  # [A]
@@ -36,6 +39,8 @@ class Verifier(ABC):
         draft_ids = draft.token_ids if every_row else draft.token_ids[rows_t]  # [A, K]
         chains = torch.cat([last_t[:, None], draft_ids], dim=1)  # [A, K+1]: last committed token, then the draft
         target_logits, cost = self.score(runner, batch, rows, chains, num_draft)  # [A, K+1, V]
+        if rules_active(batch, sampling):  # slot j follows the committed tokens and draft tokens 1..j
+            target_logits = apply_token_rules(target_logits, batch, rows, draft_ids, 0, sampling)
         draft_probs = draft.probs if draft.probs is None or every_row else draft.probs[rows_t]
         verdict = chain_verdict(
             draft_token_ids=draft_ids,
@@ -46,6 +51,8 @@ class Verifier(ABC):
             seeds=seeds_t,
             first_positions=lengths_t,
         )
+        if logprobs:
+            verdict.logprobs = emitted_logprobs(target_logits, verdict.token_ids, sampling)
         return (verdict if every_row else _scatter_rows(verdict, rows_t, batch.num_rows)), cost
 
     @abstractmethod
@@ -66,7 +73,11 @@ def _scatter_rows(verdict: Verdict, rows: torch.Tensor, num_rows: int) -> Verdic
     token_ids[rows] = verdict.token_ids
     num_emitted[rows] = verdict.num_emitted
     num_accepted[rows] = verdict.num_accepted
-    return Verdict(token_ids=token_ids, num_emitted=num_emitted, num_accepted=num_accepted)
+    logprobs = None
+    if verdict.logprobs is not None:
+        logprobs = torch.zeros(num_rows, width, dtype=torch.float32, device=device)
+        logprobs[rows] = verdict.logprobs
+    return Verdict(token_ids=token_ids, num_emitted=num_emitted, num_accepted=num_accepted, logprobs=logprobs)
 
 
 def chain_layout(batch: BatchState, rows: np.ndarray, chain_lengths: np.ndarray) -> PackedLayout:
