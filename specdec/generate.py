@@ -86,7 +86,7 @@ def generate(
     vocab_size, device = inputs.check_target(target)
     token_prompts = inputs.normalise_prompts(prompts, vocab_size, attention_mask)
     max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
-    min_new_tokens = inputs.check_min_new_tokens(min_new_tokens, max_new_tokens)
+    min_new_tokens = inputs.check_min_new_tokens(min_new_tokens)
     if eos_token_id is None:
         eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     if stream is not None and not callable(stream):

@@ -119,7 +119,7 @@ def normalise_stop_sequences(stop_sequences, vocab_size: int) -> list[np.ndarray
     return found
 
 
-def check_min_new_tokens(min_new_tokens, max_new_tokens: int) -> int:
+def check_min_new_tokens(min_new_tokens) -> int:
     if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, (int, np.integer)) or min_new_tokens < 0:
         raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
     return int(min_new_tokens)

@@ -10,6 +10,7 @@ import torch
 from specdec import SamplingParams, generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
+from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
 
 NEW = 16
@@ -159,3 +160,19 @@ def test_greedy_logprobs_equal_transformers_transition_scores(target, drafter_mo
         assert sequence == tokens and len(logprobs) == len(tokens)
         assert logprobs == pytest.approx(scores, abs=1e-5)
         assert all(lp < 0 for lp in logprobs)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt_neox"])
+@pytest.mark.parametrize("verifier", [PaddedVerifier, PaddingFreeVerifier])
+def test_the_rules_hold_on_other_architectures_and_verifiers(arch, verifier):
+    """The same rules (a penalty and min_new_tokens together) through both verifiers, at batch 1
+    and 5, on two more architectures."""
+    model = make_model(arch, num_layers=2)
+    small = perturbed_copy(model, 0.05)
+    prompts = random_prompts(5, 96, seed=17, min_len=2)
+    eos = hf_greedy_with(model, prompts[0], None, repetition_penalty=1.4)[2]
+    expected = [hf_greedy_with(model, p, eos, repetition_penalty=1.4, min_new_tokens=5) for p in prompts]
+    options = dict(drafter=ModelDrafter(small), verifier=verifier(), policy=FixedPolicy(3), max_new_tokens=NEW,
+                   eos_token_id=eos, min_new_tokens=5, sampling=SamplingParams(repetition_penalty=1.4))
+    assert generate(model, prompts, **options).sequences == expected
+    assert [generate(model, [p], **options).sequences[0] for p in prompts[:2]] == expected[:2]
