@@ -10,6 +10,7 @@ greedy decoding, identically distributed under sampling.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -31,6 +32,9 @@ from .timing import PhaseTimer
 from .types import Draft, Plan, SamplingParams
 from .verifiers.base import Verifier
 from .verifiers.padding_free import PaddingFreeVerifier
+
+
+_THIS_THREAD = threading.local()  # .in_call: a generate() call is running on this thread
 
 
 @dataclass
@@ -82,6 +86,21 @@ def generate(
     kernels of the graphed passes with torch.compile before capture (needs cuda_graphs; slower
     first call, faster steps; float32 results may differ from the eager kernels' in the last bits).
     """
+    if getattr(_THIS_THREAD, "in_call", False):
+        raise RuntimeError("generate() was called from inside another generate() call on the same thread (from a "
+                           "stream callback?): it would share the outer call's caches; call it after that one returns")
+    _THIS_THREAD.in_call = True
+    try:
+        return _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampling, eos_token_id, seed,
+                         attention, cuda_graphs, compile, attention_mask, min_new_tokens, stop_sequences, stream,
+                         return_logprobs)
+    finally:
+        _THIS_THREAD.in_call = False
+
+
+def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampling, eos_token_id, seed, attention,
+              cuda_graphs, compile, attention_mask, min_new_tokens, stop_sequences, stream,
+              return_logprobs) -> GenerateOutput:
     started = time.perf_counter()
     vocab_size, device = inputs.check_target(target)
     token_prompts = inputs.normalise_prompts(prompts, vocab_size, attention_mask)

@@ -15,8 +15,16 @@ MAX_SEED = 2**63 - 1
 
 
 def normalise_prompts(prompts, vocab_size: int, attention_mask=None) -> list[np.ndarray]:
-    """A list of token-id lists or 1-D tensors, or a [B, T] tensor (padded on either side, with
-    its ``attention_mask``) -> list of int64 arrays, each checked."""
+    """A list of token-id lists or 1-D tensors, or a [B, T] tensor or list of equal lists (padded
+    on either side, with its ``attention_mask``) -> list of int64 arrays, each checked."""
+    if attention_mask is not None and isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+        try:  # a tokenizer's padded output without return_tensors: a list of equal-length lists
+            prompts = torch.as_tensor(prompts)
+        except (TypeError, ValueError) as error:
+            raise TypeError("prompts with an attention_mask must form one padded [B, T] batch of token ids") from error
+    if attention_mask is not None and isinstance(prompts, (torch.Tensor, np.ndarray)) and np.ndim(prompts) == 1:
+        raise TypeError("prompts with an attention_mask must be a padded [B, T] batch; pass [tensor] for one prompt "
+                        "(no mask needed)")
     if isinstance(prompts, (torch.Tensor, np.ndarray)) and np.ndim(prompts) != 1:
         prompts = _unpadded_rows(prompts, attention_mask)
     elif attention_mask is not None:
@@ -190,6 +198,10 @@ def normalise_drafters(drafter) -> list[Drafter]:
         if not isinstance(candidate, Drafter):
             hint = ": wrap a model as ModelDrafter(model)" if hasattr(candidate, "config") else ""
             raise TypeError(f"drafter {index} is a {type(candidate).__name__}, not a specdec Drafter{hint}")
+        first = next(i for i, other in enumerate(drafters) if other is candidate)
+        if first != index:
+            raise ValueError(f"drafter {index} is the same object as drafter {first}: pass it once (a drafter keeps "
+                             "one call's state), or make a second one, e.g. ModelDrafter(model) again")
     return drafters
 
 
@@ -227,7 +239,8 @@ def check_component(value, expected: type, role: str) -> None:
 def check_target(target) -> tuple[int, torch.device]:
     check_supported(target)
     device = device_of(target)
-    if all(p.device.type == "meta" for p in target.parameters()):  # (offloading leaves some on meta)
+    devices = {p.device.type for p in target.parameters()}
+    if devices == {"meta"}:  # all of them: offloading leaves some on meta
         raise ValueError("the target is on the meta device (no weights): load or move its weights to a real "
                          "device first (for example from_pretrained(...) without init on meta, or .to_empty() and "
                          "load_state_dict)")

@@ -68,19 +68,19 @@ def vocabulary_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return hash32(keys.unsqueeze(-1) ^ hash32(token_ids + 0x27D4EB2F))
 
 
-EXPONENTIAL_BITS = 23  # float32 holds (m + 0.5) / 2**23 exactly for every m < 2**23, strictly inside (0, 1)
-
-
 def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
     """Exp(1) from 32 random bits each: [...] int64 -> [...] float32, finite and > 0 for every input.
 
-    u = (m + 0.5) / 2**23 with m the top 23 bits is exact in float32 and lies in [2**-24, 1 - 2**-24]
-    (with 24 bits the largest m rounds u to 1.0, whose noise 0 made ``0 / 0`` a NaN that argmax
-    picked: a token of probability 0). The noise is -log1p(-u), accurate near both ends, and is
-    clamped to float32's smallest normal number in case a device's log1p rounds 2**-24 to 0.
+    u = (bits + 0.5) / 2**32 is exact in float64 and lies in [2**-33, 1 - 2**-33]; the noise
+    -log1p(-u) (accurate at both ends) then lies in [1.2e-10, 22.9], and float32 holds it. Its
+    smallest value bounds the rarest token the race can pick: a token of probability p beats a
+    near-certain one only with noise below about p, so tokens below about 1e-10 are never drawn
+    (their total mass is at most V * 1e-10). Computing u in float32 instead rounded the largest
+    bit patterns to u = 1.0, whose noise 0 made ``0 / 0`` a NaN that argmax picked (a token of
+    probability 0), and coarsened the grid near 0 so that tokens below about 1e-7 were lost.
     """
-    u = ((bits >> (32 - EXPONENTIAL_BITS)).to(torch.float32) + 0.5) / 2.0**EXPONENTIAL_BITS  # [...]
-    return (-torch.log1p(-u)).clamp(min=torch.finfo(torch.float32).tiny)
+    u = (bits.to(torch.float64) + 0.5) / 2.0**32  # [...]
+    return (-torch.log1p(-u)).to(torch.float32)
 
 
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:

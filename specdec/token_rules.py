@@ -9,9 +9,9 @@ tokens before it) and from how many new tokens precede it, as plain decoding adj
 same position. The target's logits at every chain slot and a model drafter's at every depth are
 adjusted alike, so speculative decoding stays lossless with the rules on.
 
-Cost: nothing while both rules are off. With a penalty, one host-to-device copy of the rows'
-committed tokens [R, T] per pass and a gather and scatter of [R, S, T + X] logits; with
-min_new_tokens, one masked fill.
+Cost: nothing while both rules are off; otherwise one float32 copy of the logits [R, S, V]. With
+a penalty, one host-to-device copy of the rows' committed tokens [R, T] per pass, a [R, V] mask
+of the tokens seen and a few [R, V] operations per slot; with min_new_tokens, one masked fill.
 """
 
 from __future__ import annotations
@@ -34,40 +34,42 @@ def rules_active(batch: BatchState, params: SamplingParams) -> bool:
 
 def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray, extra: torch.Tensor | None,
                       seen_extra: int, params: SamplingParams) -> torch.Tensor:
-    """Adjusted float32 logits. logits: [R, S, V], slot s scoring the token after the committed
-    tokens of ``rows`` [R] and the first ``seen_extra + s`` tokens of ``extra`` [R, X] (tokens past
-    the committed ones, PAD_ID where absent) -> [R, S, V]."""
+    """Adjusted float32 logits, a new tensor. logits: [R, S, V], slot s scoring the token after
+    the committed tokens of ``rows`` [R] and the first ``seen_extra + s`` tokens of ``extra``
+    [R, X] (tokens past the committed ones, PAD_ID where absent) -> [R, S, V]."""
     num_rows, num_slots, vocab_size = logits.shape
     device = logits.device
-    logits = logits.float()
-    if _penalty(params) is not None:
-        logits = _penalise_repeats(logits, batch, rows, extra, seen_extra, _penalty(params))
+    adjusted = logits.to(torch.float32, copy=True)  # [R, S, V]
+    penalty = _penalty(params)
+    if penalty is not None:
+        seen = _committed_tokens_seen(batch, rows, vocab_size, device)  # [R, V + 1], column V: absent
+        added = 0
+        for slot in range(num_slots):
+            wanted = 0 if extra is None else min(seen_extra + slot, extra.shape[1])
+            if wanted > added:  # the chain's tokens before this slot join the seen ones
+                seen.scatter_(1, _with_spare_column(extra[:, added:wanted], vocab_size), True)
+                added = wanted
+            scores = adjusted[:, slot]  # [R, V]
+            penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+            adjusted[:, slot] = torch.where(seen[:, :vocab_size], penalised, scores)
     if batch.min_new_tokens > 0 and len(batch.eos_token_ids):
         new_before = batch.num_generated[rows][:, None] + seen_extra + np.arange(num_slots)  # [R, S]
         blocked = to_device(new_before < batch.min_new_tokens, device)  # [R, S]
         eos = to_device(batch.eos_token_ids, device)  # [E]
-        eos_logits = logits[..., eos]  # [R, S, E]
-        logits[..., eos] = eos_logits.masked_fill(blocked[..., None], float("-inf"))
-    return logits
+        adjusted[..., eos] = adjusted[..., eos].masked_fill(blocked[..., None], float("-inf"))
+    return adjusted
 
 
-def _penalise_repeats(logits: torch.Tensor, batch: BatchState, rows: np.ndarray, extra: torch.Tensor | None,
-                      seen_extra: int, penalty: float) -> torch.Tensor:
-    """Every token that occurs before a slot has its logit divided by ``penalty`` when positive and
-    multiplied by it when negative (once, however often it occurs)."""
-    num_rows, num_slots, vocab_size = logits.shape
-    device = logits.device
+def _with_spare_column(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token ids with PAD_ID pointed at column ``vocab_size``, a spare one that is dropped."""
+    return torch.where(tokens == PAD_ID, vocab_size, tokens)
+
+
+def _committed_tokens_seen(batch: BatchState, rows: np.ndarray, vocab_size: int, device) -> torch.Tensor:
+    """[R, V + 1] bool: which tokens occur among each row's committed tokens (prompt included)."""
     width = int(batch.lengths[rows].max())
     committed = batch.token_ids[rows, :width].copy()  # [R, T]
     committed[np.arange(width)[None, :] >= batch.lengths[rows][:, None]] = PAD_ID
-    index = to_device(committed, device)[:, None, :].expand(num_rows, num_slots, width)  # [R, S, T]
-    if extra is not None and extra.shape[1] > 0:
-        visible = torch.arange(extra.shape[1], device=device)[None, :] < (
-            seen_extra + torch.arange(num_slots, device=device))[:, None]  # [S, X]
-        extra_index = extra[:, None, :].expand(num_rows, num_slots, -1).masked_fill(~visible, PAD_ID)  # [R, S, X]
-        index = torch.cat([index, extra_index], dim=2)
-    index = torch.where(index == PAD_ID, vocab_size, index)  # absent tokens point at a spare column
-    widened = torch.cat([logits, logits.new_zeros(num_rows, num_slots, 1)], dim=2)  # [R, S, V + 1]
-    scores = widened.gather(2, index)
-    scores = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return widened.scatter(2, index, scores)[..., :vocab_size]
+    index = _with_spare_column(to_device(committed, device), vocab_size)
+    seen = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
+    return seen.scatter_(1, index, True)

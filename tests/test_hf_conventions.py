@@ -176,3 +176,34 @@ def test_the_rules_hold_on_other_architectures_and_verifiers(arch, verifier):
                    eos_token_id=eos, min_new_tokens=5, sampling=SamplingParams(repetition_penalty=1.4))
     assert generate(model, prompts, **options).sequences == expected
     assert [generate(model, [p], **options).sequences[0] for p in prompts[:2]] == expected[:2]
+
+
+PENALTY = 0.5
+
+
+@pytest.mark.parametrize("verifier", [PaddedVerifier, PaddingFreeVerifier])
+def test_a_drafter_that_copies_the_target_applies_the_same_rules(target, verifier):
+    """The drafter adjusts its logits at each depth from the tokens before that position, as the
+    target does at each slot: a drafter with the target's own weights has every draft accepted
+    with both rules on (a shift of one token in either would cost acceptances). A penalty below 1
+    favours the tokens seen, the one just drafted too, so a drafter that missed it would differ."""
+    prompts = random_prompts(4, 96, seed=18, min_len=3)
+    # an EOS that the rules hold back early in row 0 and that no row emits later: with no row cut
+    # short, every accepted draft counts, so one rejection would show
+    free = hf_greedy_with(target, prompts[0], None, repetition_penalty=PENALTY)
+    ruled = {t: [hf_greedy_with(target, p, t, repetition_penalty=PENALTY, min_new_tokens=6) for p in prompts]
+             for t in free[:6]}
+    eos = next(t for t, outputs in ruled.items() if all(t not in o for o in outputs))
+    out = generate(target, prompts, drafter=ModelDrafter(target), verifier=verifier(), policy=FixedPolicy(4),
+                   max_new_tokens=NEW, eos_token_id=eos, min_new_tokens=6,
+                   sampling=SamplingParams(repetition_penalty=PENALTY))
+    assert out.stats.acceptance_rate == 1.0
+    assert out.sequences == ruled[eos]
+
+
+def test_a_tokenizers_padded_lists_with_their_mask(target):
+    """What a tokenizer returns without return_tensors: equal-length lists and a list mask."""
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    ids, mask = [[5, 6, 7, 8], [0, 0, 9, 10]], [[1, 1, 1, 1], [0, 0, 1, 1]]
+    out = generate(target, ids, attention_mask=mask, max_new_tokens=6)
+    assert out.sequences == [hf_greedy(target, p, 6) for p in prompts]

@@ -225,9 +225,11 @@ def test_a_bad_attention_mask(target, mask, message):
         generate(target, torch.ones(2, 3, dtype=torch.long), attention_mask=mask, max_new_tokens=2)
 
 
-def test_an_attention_mask_with_a_list_of_prompts(target):
-    with pytest.raises(TypeError, match="attention_mask goes with prompts as one padded"):
-        generate(target, [[1, 2]], attention_mask=torch.ones(1, 2), max_new_tokens=2)
+def test_an_attention_mask_with_prompts_that_are_no_padded_batch(target):
+    with pytest.raises(TypeError, match="prompts with an attention_mask must form one padded"):
+        generate(target, [[1, 2], [3]], attention_mask=[[1, 1], [1]], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"must be a padded \[B, T\] batch; pass \[tensor\] for one prompt"):
+        generate(target, torch.tensor([1, 2]), attention_mask=torch.ones(2), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("stops,error,message", [

@@ -1,6 +1,8 @@
 """Counter-based randomness: a pure function of (seed, position, purpose), uniform, and the same
 on every device."""
 
+import math
+
 import pytest
 import torch
 from scipy import stats
@@ -79,20 +81,31 @@ def test_cpu_and_cuda_draw_the_same_numbers():
     torch.testing.assert_close(noise.exponential_noise(cpu_keys, 64), noise.exponential_noise(gpu_keys, 64).cpu(), rtol=1e-6, atol=0)
 
 
-def test_exponential_noise_is_finite_and_positive_for_every_bit_pattern():
-    """Every value of the bits the noise reads (2**23 of them), at both ends of each: the largest
-    used to round u to 1.0 and give noise 0 (then 0 / 0 = NaN, which argmax picks)."""
-    fields = torch.arange(2**noise.EXPONENTIAL_BITS, dtype=torch.int64) << (32 - noise.EXPONENTIAL_BITS)
-    low_bits = (1 << (32 - noise.EXPONENTIAL_BITS)) - 1
-    for bits in (fields, fields | low_bits):  # every field with its unread bits all 0, then all 1
+def test_exponential_noise_is_finite_and_positive_at_every_scale_of_the_bits():
+    """2**23 bit patterns spread over the whole 32-bit range, and both ends: the largest used to
+    round u to 1.0 and give noise 0 (then 0 / 0 = NaN, which argmax picks)."""
+    spread = torch.arange(2**23, dtype=torch.int64) << 9
+    for bits in (spread, spread | 0x1FF, torch.tensor([0, 1, 2, 2**32 - 2, 2**32 - 1])):
         e = noise.exponential_from_bits(bits)
         assert torch.isfinite(e).all() and (e > 0).all()
-        assert e.max() < 17.0 and e.min() < 1e-6  # about -log(2**-24) and 2**-24 at the two ends
-    extremes = torch.tensor([0, 1, 2**32 - 1, 2**32 - 2**9, 2**31])
-    assert (noise.exponential_from_bits(extremes) > 0).all()
+    ends = noise.exponential_from_bits(torch.tensor([0, 2**32 - 1]))
+    # the smallest noise is -log1p(-2**-33), about 2**-33: tokens down to about 1e-10 can win the race
+    assert ends[0].item() == pytest.approx(2.0**-33, rel=1e-6)
+    assert ends[1].item() == pytest.approx(33 * math.log(2), rel=1e-6)  # -log(2**-33)
     # a zero-probability token scores 0 against any noise, so it never wins the race
     probs = torch.tensor([0.0, 1.0, 0.0])
     assert (probs / noise.exponential_from_bits(torch.tensor([2**32 - 1, 0, 2**32 - 1]))).argmax() == 1
+
+
+def test_the_noise_near_zero_has_the_resolution_of_all_32_bits():
+    """A token of probability p beats a near-certain one when its noise falls below about p, so the
+    noise's grid near 0 sets the rarest token the race can pick. Each of the 4,096 smallest bit
+    patterns gives its own value, (b + 0.5) / 2**32 (-log1p(-x) = x to first order): a token of
+    probability 2e-9 has about 9 winning patterns (a grid of 2**-23 or 2**-24 gave it none)."""
+    bits = torch.arange(4096)
+    e = noise.exponential_from_bits(bits).double()
+    torch.testing.assert_close(e, (bits.double() + 0.5) / 2.0**32, rtol=1e-6, atol=0)
+    assert int((e < 2e-9).sum()) == 9
 
 
 def test_top_k_one_samples_the_argmax_at_a_large_vocabulary():

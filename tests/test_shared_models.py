@@ -100,3 +100,25 @@ def test_caches_are_sized_by_what_the_call_can_draft():
     assert out.sequences == [hf_greedy(target, p, 8) for p in prompts]
     assert runners_of(target)["target"].cache.max_len == LENGTH_QUANTUM  # 12 + 8 + 8 positions, rounded up
     assert runners_of(small)["drafter-0"].cache.max_len == LENGTH_QUANTUM
+
+
+def test_generate_called_from_a_stream_callback_is_refused_and_the_outer_call_stays_exact():
+    target = make_model("llama", num_layers=1)
+    prompts = random_prompts(2, 96, seed=6, min_len=3)
+    refused = []
+
+    def nested(index, tokens):
+        with pytest.raises(RuntimeError, match="inside another generate.. call on the same thread"):
+            generate(target, prompts, max_new_tokens=2)
+        refused.append(index)
+
+    out = generate(target, prompts, max_new_tokens=6, stream=nested)
+    assert refused and out.sequences == [hf_greedy(target, p, 6) for p in prompts]
+    assert generate(target, prompts, max_new_tokens=6).sequences == out.sequences  # usable again afterwards
+
+
+def test_one_drafter_object_twice_in_a_call_is_refused():
+    target = make_model("llama", num_layers=1)
+    drafter = ModelDrafter(perturbed_copy(target, 0.05))
+    with pytest.raises(ValueError, match="drafter 1 is the same object as drafter 0"):
+        generate(target, [[1, 2, 3]], drafter=[drafter, drafter], max_new_tokens=4)

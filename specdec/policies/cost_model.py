@@ -483,8 +483,10 @@ def _step_overhead(target, target_model: LinearTimeModel, context: int, new_toke
     gaps = []
     for b in batch_sizes:
         prompts = [torch.randint(0, vocab_size, (context,), generator=generator).tolist() for _ in range(b)]
-        generate(target, prompts, policy=FixedPolicy(0), max_new_tokens=2, **options)  # warm-up
-        stats = generate(target, prompts, policy=FixedPolicy(0), max_new_tokens=new_tokens, **options).stats
+        # eos_token_id=[]: every row decodes all its tokens, whatever the model's generation_config says
+        generate(target, prompts, policy=FixedPolicy(0), max_new_tokens=2, eos_token_id=[], **options)  # warm-up
+        stats = generate(target, prompts, policy=FixedPolicy(0), max_new_tokens=new_tokens, eos_token_id=[],
+                         **options).stats
         step = (stats.wall_time_s - stats.prefill_time_s) / max(stats.steps, 1)
         mean_kv = b * (context + (new_tokens + 1) / 2)
         gaps.append(step - float(target_model.predict({"tokens": b, "kv_tokens": mean_kv, "rows": b})))
