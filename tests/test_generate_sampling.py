@@ -1,12 +1,12 @@
 """End to end: the first two tokens sampled by generate() follow the target's own distribution.
 
 A tiny-vocabulary model (V = 8) gives the exact joint distribution of the first two tokens,
-P(t1, t2) = P(t1 | prompt) P(t2 | prompt, t1), by enumeration. N = 12,000 requests of the same
+P(t1, t2) = P(t1 | prompt) P(t2 | prompt, t1), by enumeration. N = 8,000 requests of the same
 prompt (one seed each) go through generate() and a chi-square test compares the 64 joint
 counts with it (cells with expected count < 5 pooled). Threshold: p-value > 1e-3. Negative
 controls: the same test must reject the draft model's own distribution, and the target's joint
 with 0.05 of probability moved between its two likeliest pairs (the same support; the expected
-chi-square statistic is about 370 at N = 12,000 against a critical value of about 57).
+chi-square statistic is about 250 at N = 8,000 against a critical value of about 57).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
 from tests.tiny import AlternatingPolicy, make_model, perturbed_copy, random_prompts
 
 ALPHA = 1e-3
-N = 12_000
+N = 8_000
 VOCAB = 8
 PROMPT = [1, 2, 5, 1, 2]  # prompt lookup finds "1 2" earlier and proposes "5 1" (p(5) is about 0.43)
 PARAMS = SamplingParams(temperature=1.0, top_k=6, top_p=0.95)
