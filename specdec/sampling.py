@@ -15,6 +15,9 @@ Rules (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.013
   distribution p.
 - point mass (a drafter that returns no probabilities): q is one-hot on the draft token, so
   accept with probability p_i(x_i) and on rejection sample from p_j with x_j removed.
+- trees (walk_tree, tree_verdict): greedy (the longest argmax path) and recursive rejection
+  sampling over siblings drawn with replacement (SpecInfer), without (RSD, Sequoia) or chosen
+  deterministically (q one-hot); a chain gets exactly the chain rule's verdict.
 
 Every random number comes from ``noise.py``, keyed by (request seed, token position, purpose);
 no rule synchronises with the host.
@@ -150,3 +153,163 @@ def _residual_probs(
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(is_draft_slot[..., None] & ~empty, residual, at_drafts)
     return torch.cat([residual, target_probs[:, max_draft:]], dim=1)
+
+
+# --- token trees -----------------------------------------------------------------------------
+# A row's tree: nodes 0..N-1 stored parents first, node i's parent parents[i] < i (-1: the root,
+# the row's last committed token). Slot 0 of the target's scores follows the root, slot i + 1
+# follows node i. Children of a node are tried in index order.
+SIBLING_PURPOSE_STRIDE = 8  # the k-th sibling tried at a node draws its accept uniform for purpose ACCEPT + 8k
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[R, N] parent indices (-1 root) -> [R, N] depths (a root child is at depth 1)."""
+    depths = torch.zeros_like(parents)
+    for node in range(parents.shape[1]):  # parents come first, so their depths are known
+        parent = parents[:, node]
+        depths[:, node] = torch.where(parent >= 0, depths.gather(1, parent.clamp(min=0)[:, None])[:, 0] + 1, 1)
+    return depths
+
+
+def sibling_ordinals(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """[R, N] -> [R, N] how many earlier nodes share each node's parent (its place among siblings)."""
+    nodes = torch.arange(parents.shape[1], device=parents.device)
+    real = nodes[None, :] < num_nodes[:, None]  # [R, N]
+    same_parent = (parents[:, :, None] == parents[:, None, :]) & real[:, None, :]  # [R, N, N]
+    earlier = nodes[None, :] < nodes[:, None]  # [N, N]: j before i
+    return (same_parent & earlier).sum(dim=2)
+
+
+def tree_accept_uniforms(parents: torch.Tensor, num_nodes: torch.Tensor, seeds: torch.Tensor,
+                         first_positions: torch.Tensor) -> torch.Tensor:
+    """[R, N] the uniform that accepts or rejects each node, keyed by (seed, the node's position,
+    its place among its siblings): a chain's nodes draw exactly the chain rule's uniforms."""
+    positions = first_positions[:, None] + node_depths(parents) - 1  # [R, N] the position each node would take
+    purposes = noise.ACCEPT + SIBLING_PURPOSE_STRIDE * sibling_ordinals(parents, num_nodes)  # [R, N]
+    keys = torch.stack([noise.stream_keys(seeds[:, None], positions, int(p)) for p in purposes.unique().tolist()])
+    index = torch.searchsorted(purposes.unique(), purposes)  # which purpose's keys each node uses
+    return noise.uniform(keys.gather(0, index[None])[0])
+
+
+def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_scores: torch.Tensor,
+              draft_probs: torch.Tensor | None, params: SamplingParams, accept_u: torch.Tensor | None):
+    """Walk every row's tree from the root: try the children of the current node in order, descend
+    into the first one accepted, stop where none is.
+
+    Greedy: a child is accepted when it is the target's argmax there (the longest path of argmax
+    tokens). Otherwise recursive rejection sampling (SpecInfer, Miao et al. 2023, arXiv 2305.09781;
+    RSD, Jeon et al. 2024, arXiv 2402.14160; Sequoia, Chen et al. 2024): with r the current residual
+    (the processed target p on arriving at a node), child x, drawn from q, is accepted with
+    probability min(1, r(x) / q(x)); on a rejection r becomes normalise(max(0, r - q)). ``draft_probs``
+    [R, N, V] holds for each node the q it was drawn from: its parent's distribution for siblings
+    drawn with replacement (SpecInfer), the parent's with the earlier siblings removed and
+    renormalised for siblings drawn without (RSD); None means q = one-hot on each child, the rule
+    for children chosen deterministically (top-k, a trie), which must never be paired with the
+    draft's real q (biased: ALGORITHMS.md section 7). Each rule reproduces p exactly.
+
+    token_ids, parents: [R, N]; num_nodes: [R]; target_scores: [R, N + 1, V] processed probabilities
+    (logits when greedy), slot 0 after the root and i + 1 after node i; accept_u: [R, N] uniforms
+    (ignored when greedy) -> (path [R, N] accepted nodes in order, -1 beyond; num_accepted [R];
+    final_slot [R] the slot the last token is drawn at; residual [R, V] unnormalised distribution to
+    draw it from, None when greedy; accept_probs [R, N] each tried node's probability of acceptance,
+    NaN for nodes not tried). At most N + 1 rounds of tensor operations, no host synchronisation.
+    """
+    num_rows, num_tree = token_ids.shape
+    device = token_ids.device
+    rows = torch.arange(num_rows, device=device)
+    nodes = torch.arange(num_tree, device=device)
+    greedy = params.greedy
+    current = torch.full((num_rows,), -1, dtype=torch.long, device=device)  # node walked to (-1 root)
+    start = torch.zeros(num_rows, dtype=torch.long, device=device)  # first node index still to try there
+    done = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    path = torch.full((num_rows, num_tree), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
+    accept_probs = torch.full((num_rows, num_tree), float("nan"), dtype=torch.float64, device=device)
+    residual = None if greedy else target_scores[:, 0].double()  # [R, V]
+    residual_mass = torch.ones(num_rows, dtype=torch.float64, device=device)  # sum of residual (p: taken as 1)
+    for _ in range(num_tree + 1):
+        candidates = ((parents == current[:, None]) & (nodes[None, :] >= start[:, None])
+                      & (nodes[None, :] < num_nodes[:, None]) & ~done[:, None])  # [R, N]
+        has_child = candidates.any(dim=1)
+        child = candidates.long().argmax(dim=1)  # the first candidate (0 where there is none)
+        token = token_ids[rows, child].clamp(min=0)
+        slot = current + 1
+        if greedy:
+            accepted = has_child & (token == target_scores[rows, slot].argmax(dim=-1))
+        else:
+            r_x = residual[rows, token]
+            q = (torch.nn.functional.one_hot(token, residual.shape[1]).double() if draft_probs is None
+                 else draft_probs[rows, child].double())  # [R, V]
+            q_x = q[rows, token]
+            accepted = has_child & (accept_u[rows, child] * q_x * residual_mass < r_x)
+            ratio = torch.where(q_x > 0, r_x / (q_x * residual_mass), torch.where(r_x > 0, 1.0, 0.0)).clamp(max=1.0)
+            accept_probs[rows[has_child], child[has_child]] = ratio[has_child]
+            rejected = has_child & ~accepted
+            reduced = (residual / residual_mass[:, None] - q).clamp(min=0.0)  # [R, V]
+            mass = reduced.sum(dim=1)
+            fallback = mass <= 0  # only rounding leaves nothing (p == q, accepted with certainty)
+            reduced = torch.where(fallback[:, None], target_scores[rows, slot].double(), reduced)
+            mass = torch.where(fallback, 1.0, mass)
+            residual = torch.where(rejected[:, None], reduced, residual)
+            residual_mass = torch.where(rejected, mass, residual_mass)
+            fresh = target_scores[rows, child + 1].double()  # p after an accepted child
+            residual = torch.where(accepted[:, None], fresh, residual)
+            residual_mass = torch.where(accepted, 1.0, residual_mass)
+        path[rows[accepted], num_accepted[accepted]] = child[accepted]
+        num_accepted = num_accepted + accepted.long()
+        current = torch.where(accepted, child, current)
+        start = torch.where(has_child, child + 1, start)
+        done = done | ~has_child
+    return path, num_accepted, current + 1, residual, accept_probs
+
+
+def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_logits: torch.Tensor,
+                 draft_probs: torch.Tensor | None, params: SamplingParams, seeds: torch.Tensor,
+                 first_positions: torch.Tensor) -> tuple[Verdict, torch.Tensor]:
+    """The tree acceptance rule for every row at once (walk_tree), with keyed randomness.
+
+    token_ids, parents: [R, N] (PAD_ID / anything beyond num_nodes [R]); target_logits:
+    [R, N + 1, V]; draft_probs: [R, N, V] or None (children chosen deterministically); seeds,
+    first_positions: [R] -> (Verdict with token_ids [R, N + 1]: the accepted path's tokens, then
+    the recovered or bonus token; path [R, N]: the accepted nodes, for the cache to keep).
+    A chain (parents [-1, 0, 1, ...]) gets exactly chain_verdict's verdict.
+    """
+    check_tree(token_ids, parents, num_nodes, deterministic=draft_probs is None)
+    if params.greedy:
+        scores, accept_u = target_logits, None
+    else:
+        scores = process_logits(target_logits, params)  # [R, N + 1, V]
+        accept_u = tree_accept_uniforms(parents, num_nodes, seeds, first_positions)
+    path, num_accepted, final_slot, residual, _ = walk_tree(token_ids, parents, num_nodes, scores, draft_probs,
+                                                           params, accept_u)
+    rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+    if params.greedy:
+        last = target_logits[rows, final_slot].argmax(dim=-1)
+    else:  # the final node's position: first_positions + its depth (the number of accepted nodes)
+        last = sample(residual.float(), noise.stream_keys(seeds, first_positions + num_accepted, noise.TARGET))
+    width = token_ids.shape[1] + 1
+    emitted = torch.full((len(rows), width), PAD_ID, dtype=torch.long, device=token_ids.device)
+    on_path = path >= 0
+    emitted[:, :-1] = torch.where(on_path, token_ids.gather(1, path.clamp(min=0)), PAD_ID)
+    emitted[rows, num_accepted] = last
+    verdict = Verdict(token_ids=emitted, num_emitted=num_accepted + 1, num_accepted=num_accepted)
+    return verdict, path
+
+
+def check_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, deterministic: bool) -> None:
+    """Clear errors for a malformed tree: a parent that does not come before its node, and, for
+    children chosen deterministically (q = one-hot), two siblings with the same token."""
+    nodes = torch.arange(parents.shape[1], device=parents.device)
+    real = nodes[None, :] < num_nodes[:, None]
+    bad = real & ((parents >= nodes[None, :]) | (parents < -1))
+    if bad.any():
+        row, node = (int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(f"tree row {row}: node {node} has parent {int(parents[row, node])}; a parent must be -1 (the "
+                         "root) or an earlier node")
+    if deterministic:
+        pair = (real[:, :, None] & real[:, None, :] & (parents[:, :, None] == parents[:, None, :])
+                & (token_ids[:, :, None] == token_ids[:, None, :]) & (nodes[None, :] < nodes[:, None])[None])
+        if pair.any():
+            row, node, other = (int(i) for i in torch.nonzero(pair)[0])
+            raise ValueError(f"tree row {row}: nodes {other} and {node} are siblings with the same token "
+                             f"{int(token_ids[row, node])}; children chosen without probabilities must be distinct")
