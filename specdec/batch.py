@@ -94,7 +94,7 @@ class BatchState:
         """Generated tokens per request: prompt excluded, EOS included."""
         return [self.token_ids[r, self.prompt_lengths[r] : self.lengths[r]].tolist() for r in range(self.num_rows)]
 
-    def output_logprobs(self) -> list[list[float]] | None:
+    def output_logprobs(self) -> list[list[float]]:
         """Each generated token's log-probability, as ``outputs()`` (verdicts must carry them)."""
         if self.logprobs is None:  # no step ran (max_new_tokens = 0)
             return [[] for _ in range(self.num_rows)]

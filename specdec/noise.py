@@ -42,10 +42,11 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def stream_keys(seeds: torch.Tensor, positions: torch.Tensor, purpose: int) -> torch.Tensor:
+def stream_keys(seeds: torch.Tensor, positions: torch.Tensor, purpose: int | torch.Tensor) -> torch.Tensor:
     """One 32-bit key per (seed, position) for a purpose; shapes broadcast.
 
-    seeds: [...] int64, positions: [...] int64 -> keys [...] int64 in [0, 2**32).
+    seeds: [...] int64, positions: [...] int64, purpose: an int or [...] int64 -> keys [...]
+    int64 in [0, 2**32).
     """
     seeds = seeds.to(torch.int64)
     key = hash32((seeds >> 32) + 0x9E3779B9 * purpose)  # high half of a 63-bit seed

@@ -81,13 +81,15 @@ def chain_verdict(
     params: SamplingParams,
     seeds: torch.Tensor,
     first_positions: torch.Tensor,
+    logprobs: bool = False,
 ) -> Verdict:
     """Apply the chain acceptance rule to every row at once.
 
     draft_token_ids: [R, K] (PAD_ID beyond num_draft_tokens), num_draft_tokens: [R],
     target_logits: [R, K+1, V] (slot j scores the token at first_positions + j),
     draft_probs: [R, K, V] or None (point mass), seeds: [R], first_positions: [R]
-    (position of the first draft token) -> Verdict with token_ids [R, K+1].
+    (position of the first draft token) -> Verdict with token_ids [R, K+1], and with each emitted
+    token's log-probability when ``logprobs`` (emitted_logprobs, from the same processed p).
     """
     num_rows, max_draft = draft_token_ids.shape
     device = target_logits.device
@@ -119,18 +121,23 @@ def chain_verdict(
 
     num_emitted = num_accepted + 1  # [R]
     token_ids = emitted_candidates.masked_fill(slots >= num_emitted[:, None], PAD_ID)  # [R, K+1]
-    return Verdict(token_ids=token_ids, num_emitted=num_emitted, num_accepted=num_accepted)
+    verdict = Verdict(token_ids=token_ids, num_emitted=num_emitted, num_accepted=num_accepted)
+    if logprobs:
+        verdict.logprobs = emitted_logprobs(target_logits, token_ids, params, None if params.greedy else target_probs)
+    return verdict
 
 
-def emitted_logprobs(target_logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def emitted_logprobs(target_logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams,
+                     target_probs: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probability of each emitted token under the target's processed distribution at its
     slot: log-softmax of the logits when greedy (as transformers' transition scores), the log of
-    ``process_logits`` otherwise. target_logits: [R, K+1, V], token_ids: [R, K+1] (PAD_ID beyond
-    the emitted ones, which get 0) -> [R, K+1] float32."""
+    ``process_logits`` otherwise (``target_probs`` [R, K+1, V] when already processed).
+    target_logits: [R, K+1, V], token_ids: [R, K+1] (PAD_ID beyond the emitted ones, which get 0)
+    -> [R, K+1] float32."""
     if params.greedy:
         log_probs = target_logits.float().log_softmax(dim=-1)  # [R, K+1, V]
     else:
-        log_probs = process_logits(target_logits, params).log()
+        log_probs = (process_logits(target_logits, params) if target_probs is None else target_probs).log()
     chosen = log_probs.gather(-1, token_ids.clamp(min=0)[..., None])[..., 0]  # [R, K+1]
     return chosen.masked_fill(token_ids == PAD_ID, 0.0)
 
@@ -186,9 +193,7 @@ def tree_accept_uniforms(parents: torch.Tensor, num_nodes: torch.Tensor, seeds: 
     its place among its siblings): a chain's nodes draw exactly the chain rule's uniforms."""
     positions = first_positions[:, None] + node_depths(parents) - 1  # [R, N] the position each node would take
     purposes = noise.ACCEPT + SIBLING_PURPOSE_STRIDE * sibling_ordinals(parents, num_nodes)  # [R, N]
-    keys = torch.stack([noise.stream_keys(seeds[:, None], positions, int(p)) for p in purposes.unique().tolist()])
-    index = torch.searchsorted(purposes.unique(), purposes)  # which purpose's keys each node uses
-    return noise.uniform(keys.gather(0, index[None])[0])
+    return noise.uniform(noise.stream_keys(seeds[:, None], positions, purposes))
 
 
 def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_scores: torch.Tensor,
@@ -243,7 +248,8 @@ def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.T
             q_x = q[rows, token]
             accepted = has_child & (accept_u[rows, child] * q_x * residual_mass < r_x)
             ratio = torch.where(q_x > 0, r_x / (q_x * residual_mass), torch.where(r_x > 0, 1.0, 0.0)).clamp(max=1.0)
-            accept_probs[rows[has_child], child[has_child]] = ratio[has_child]
+            # one write per row, no boolean indexing (it would synchronise): rows without a child rewrite a value
+            accept_probs[rows, child] = torch.where(has_child, ratio, accept_probs[rows, child])
             rejected = has_child & ~accepted
             reduced = (residual / residual_mass[:, None] - q).clamp(min=0.0)  # [R, V]
             mass = reduced.sum(dim=1)
@@ -255,7 +261,9 @@ def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.T
             fresh = target_scores[rows, child + 1].double()  # p after an accepted child
             residual = torch.where(accepted[:, None], fresh, residual)
             residual_mass = torch.where(accepted, 1.0, residual_mass)
-        path[rows[accepted], num_accepted[accepted]] = child[accepted]
+        if num_tree:
+            depth = num_accepted.clamp(max=num_tree - 1)
+            path[rows, depth] = torch.where(accepted, child, path[rows, depth])
         num_accepted = num_accepted + accepted.long()
         current = torch.where(accepted, child, current)
         start = torch.where(has_child, child + 1, start)
@@ -272,9 +280,9 @@ def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torc
     [R, N + 1, V]; draft_probs: [R, N, V] or None (children chosen deterministically); seeds,
     first_positions: [R] -> (Verdict with token_ids [R, N + 1]: the accepted path's tokens, then
     the recovered or bonus token; path [R, N]: the accepted nodes, for the cache to keep).
-    A chain (parents [-1, 0, 1, ...]) gets exactly chain_verdict's verdict.
+    A chain (parents [-1, 0, 1, ...]) gets exactly chain_verdict's verdict. Trees are checked
+    (check_tree) where they are built, on the host, not here in the step.
     """
-    check_tree(token_ids, parents, num_nodes, deterministic=draft_probs is None)
     if params.greedy:
         scores, accept_u = target_logits, None
     else:

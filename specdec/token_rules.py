@@ -28,21 +28,27 @@ def _penalty(params: SamplingParams) -> float | None:
     return None if params.repetition_penalty in (None, 1.0) else float(params.repetition_penalty)
 
 
+def penalises_repeats(params: SamplingParams) -> bool:
+    return _penalty(params) is not None
+
+
 def rules_active(batch: BatchState, params: SamplingParams) -> bool:
-    return _penalty(params) is not None or (batch.min_new_tokens > 0 and len(batch.eos_token_ids) > 0)
+    return penalises_repeats(params) or (batch.min_new_tokens > 0 and len(batch.eos_token_ids) > 0)
 
 
 def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray, extra: torch.Tensor | None,
-                      seen_extra: int, params: SamplingParams) -> torch.Tensor:
+                      seen_extra: int, params: SamplingParams, committed_seen: torch.Tensor | None = None) -> torch.Tensor:
     """Adjusted float32 logits, a new tensor. logits: [R, S, V], slot s scoring the token after
     the committed tokens of ``rows`` [R] and the first ``seen_extra + s`` tokens of ``extra``
-    [R, X] (tokens past the committed ones, PAD_ID where absent) -> [R, S, V]."""
+    [R, X] (tokens past the committed ones, PAD_ID where absent) -> [R, S, V]. committed_seen:
+    committed_tokens_seen of the same rows, when the caller keeps it across passes (left unchanged)."""
     num_rows, num_slots, vocab_size = logits.shape
     device = logits.device
     adjusted = logits.to(torch.float32, copy=True)  # [R, S, V]
     penalty = _penalty(params)
     if penalty is not None:
-        seen = _committed_tokens_seen(batch, rows, vocab_size, device)  # [R, V + 1], column V: absent
+        seen = (committed_tokens_seen(batch, rows, vocab_size, device) if committed_seen is None
+                else committed_seen.clone())  # [R, V + 1], column V: absent
         added = 0
         for slot in range(num_slots):
             wanted = 0 if extra is None else min(seen_extra + slot, extra.shape[1])
@@ -65,7 +71,7 @@ def _with_spare_column(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.where(tokens == PAD_ID, vocab_size, tokens)
 
 
-def _committed_tokens_seen(batch: BatchState, rows: np.ndarray, vocab_size: int, device) -> torch.Tensor:
+def committed_tokens_seen(batch: BatchState, rows: np.ndarray, vocab_size: int, device) -> torch.Tensor:
     """[R, V + 1] bool: which tokens occur among each row's committed tokens (prompt included)."""
     width = int(batch.lengths[rows].max())
     committed = batch.token_ids[rows, :width].copy()  # [R, T]

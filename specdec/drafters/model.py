@@ -29,7 +29,7 @@ from ..batch import BatchState
 from ..runner import (ModelRunner, PackedLayout, check_supported, device_of, resolve_backend, runner_for, runners_of,
                       vocab_size_of)
 from ..sampling import next_tokens
-from ..token_rules import apply_token_rules, rules_active
+from ..token_rules import apply_token_rules, committed_tokens_seen, penalises_repeats, rules_active
 from ..types import PAD_ID, Draft, SamplingParams
 from .base import Drafter
 
@@ -121,11 +121,14 @@ class ModelDrafter(Drafter):
         cached = runner.cache.lengths
         greedy = self.sampling.greedy
         rules = rules_active(batch, self.sampling)
+        # the committed tokens do not change within a proposal: one mask of them for every depth
+        seen = (committed_tokens_seen(batch, rows, runner.vocab_size, device)
+                if rules and penalises_repeats(self.sampling) else None)
         rows_t = to_device(rows, device)  # [R]
         for depth in range(max_tokens):
             if rules:  # the target's rules at this position, so that fewer drafts are rejected for them
                 logits = apply_token_rules(logits[:, None], batch, rows, token_ids[rows_t, :depth], depth,
-                                           self.sampling)[:, 0]
+                                           self.sampling, committed_seen=seen)[:, 0]
             if greedy:  # no randomness: neither seeds nor positions are needed
                 chosen, chosen_probs = logits.argmax(dim=-1), None
             else:
@@ -142,6 +145,7 @@ class ModelDrafter(Drafter):
                 rows = rows[keep]
                 kept = to_device(np.flatnonzero(keep), device)
                 chosen, rows_t = chosen[kept], rows_t[kept]
+                seen = None if seen is None else seen[kept]
             layout = PackedLayout(rows=rows, starts=cached[rows], counts=np.ones(len(rows), dtype=np.int64))
             logits = runner.forward(chosen, layout)  # [R', V]
             cached[rows] += 1

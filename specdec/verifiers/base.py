@@ -19,7 +19,7 @@ from ..transfer import to_device_many
 
 from ..batch import BatchState
 from ..runner import ModelRunner, PackedLayout
-from ..sampling import chain_verdict, emitted_logprobs
+from ..sampling import chain_verdict
 from ..token_rules import apply_token_rules, rules_active
 from ..types import PAD_ID, Draft, SamplingParams, Verdict, VerifyCost
 
@@ -50,9 +50,8 @@ class Verifier(ABC):
             params=sampling,
             seeds=seeds_t,
             first_positions=lengths_t,
+            logprobs=logprobs,
         )
-        if logprobs:
-            verdict.logprobs = emitted_logprobs(target_logits, verdict.token_ids, sampling)
         return (verdict if every_row else _scatter_rows(verdict, rows_t, batch.num_rows)), cost
 
     @abstractmethod
