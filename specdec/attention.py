@@ -69,7 +69,10 @@ def reference_attention(
     key_positions = torch.arange(kv_len, device=query.device)  # [L]
     query_positions = meta.group_query_positions[:, :, None]  # [G, Q, 1]
     visible = key_positions <= query_positions  # [G, Q, L]
+    if meta.token_tree_mask is not None:
+        visible &= tree_visible(meta, key_positions, max_queries)
     if sliding_window is not None:
+        check_window_covers_tree(meta, sliding_window)
         visible &= key_positions > query_positions - sliding_window
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     if sinks is None:
@@ -81,6 +84,27 @@ def reference_attention(
     grouped_out = torch.einsum("ghrql,ghld->gqhrd", weights, values.to(compute_dtype))  # [G, Q, Hkv, R, D]
     grouped_out = grouped_out.reshape(num_groups, max_queries, num_heads, head_dim).to(query.dtype)
     return grouped_out[meta.token_group, meta.token_slot][None]  # [1, N, H, D]
+
+
+def tree_visible(meta: AttentionMetadata, key_slots: torch.Tensor, max_queries: int) -> torch.Tensor:
+    """[G, Q, L] which keys each query of a tree pass may see beside causality: the keys below its
+    group's tree start, and the tree slots whose bit its mask sets (bit j: tree start + j)."""
+    num_groups = meta.group_rows.shape[0]
+    masks = torch.zeros(num_groups, max_queries, dtype=torch.int64, device=key_slots.device)
+    masks[meta.token_group, meta.token_slot] = meta.token_tree_mask  # [G, Q]
+    offset = key_slots[None, :] - meta.group_tree_start[:, None]  # [G, L]
+    in_tree = (offset >= 0) & (offset < 64)
+    bit = (masks[:, :, None] >> offset.clamp(0, 63)[:, None, :]) & 1  # [G, Q, L]
+    return (offset < 0)[:, None, :] | (in_tree[:, None, :] & (bit == 1))
+
+
+def check_window_covers_tree(meta: AttentionMetadata, sliding_window: int) -> None:
+    """A sliding window counts positions, which differ from cache slots in a tree pass; tree
+    passes are exact while the window reaches back past every key (positions <= slots there)."""
+    if meta.token_tree_mask is not None and meta.max_kv_len > sliding_window:
+        raise ValueError(f"a token tree over {meta.max_kv_len} cached positions reaches past this model's sliding "
+                         f"window of {sliding_window}: tree attention with a sliding window is implemented only "
+                         "while the window covers the whole row; draft chains (no parents) for longer rows")
 
 
 def fast_attention(
@@ -105,6 +129,8 @@ def fast_attention(
     from .triton_attention import packed_attention
 
     layer_idx = module.layer_idx
+    if sliding_window is not None:
+        check_window_covers_tree(meta, sliding_window)
     if torch.compiler.is_compiling():  # torch.compile sees one opaque op (compiled_attention.py)
         return cached_packed_attention(query, key, value, meta, layer_idx, scaling, sliding_window)
     meta.cache.write(layer_idx, meta.token_rows, meta.token_positions, key[0], value[0])
@@ -119,6 +145,8 @@ def fast_attention(
         meta.max_group_tokens,
         scaling,
         sliding_window,
+        meta.token_tree_mask,
+        meta.group_tree_start,
     )
     return output[None]
 

@@ -21,16 +21,20 @@ METADATA_KWARG = "specdec_metadata"  # the keyword the runner passes the metadat
 class AttentionMetadata:
     cache: KVCache
     token_rows: torch.Tensor  # [N] cache row of each packed token
-    token_positions: torch.Tensor  # [N] position of each packed token in its row
+    token_positions: torch.Tensor  # [N] cache slot of each packed token (its position too, but in tree passes)
     token_group: torch.Tensor  # [N] group (contiguous run of one row) of each token
     token_slot: torch.Tensor  # [N] index of each token within its group
     group_rows: torch.Tensor  # [G] cache row of each group
     group_first_token: torch.Tensor  # [G] packed index of each group's first token
     group_counts: torch.Tensor  # [G] tokens per group
-    group_query_positions: torch.Tensor  # [G, Q] position of each query slot (0 in empty slots)
+    group_query_positions: torch.Tensor  # [G, Q] cache slot of each query (0 in empty slots)
     max_group_tokens: int  # host: Q, the most tokens in one group
-    max_kv_len: int  # host: 1 + the largest position in the pass
+    max_kv_len: int  # host: 1 + the largest cache slot in the pass
     backend: Callable
+    # tree passes (None in causal ones): a query sees its row's keys at slots below its group's
+    # tree start causally, and a key at tree start + j only if bit j of its tree mask is set
+    token_tree_mask: torch.Tensor | None = None  # [N] int64 bitmask over the 64 slots from the tree start
+    group_tree_start: torch.Tensor | None = None  # [G] first tree slot of each group (cache max_len: no tree)
 
     def on(self, device: torch.device) -> "AttentionMetadata":
         """The same description with its tensors on ``device``, made once per device: a model

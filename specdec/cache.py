@@ -3,7 +3,8 @@
 Invariant: for row r, positions [0, lengths[r]) of every layer hold the keys and values of
 the tokens the owner has committed to; anything at or beyond lengths[r] is stale and is simply
 overwritten by the next write at that position. Rolling back rejected draft tokens therefore
-costs nothing but lowering a length.
+costs nothing but lowering a length. A token tree's accepted path is moved into place by
+``compact`` (its nodes were written at slot length + node index, and belong at length + depth).
 
 Layout per layer: keys and values [max_rows, num_kv_heads, max_len, head_dim], allocated on
 the first write (when the model's head count, head size, dtype and device are known).
@@ -59,3 +60,16 @@ class KVCache:
         if np.any(lengths > self.lengths[rows]):
             raise ValueError("rollback can only shorten rows; use the runner to write new tokens")
         self.lengths[rows] = lengths
+
+    @torch.inference_mode()
+    def compact(self, rows: torch.Tensor, source_slots: torch.Tensor, target_slots: torch.Tensor) -> None:
+        """Copy every layer's key and value at (rows[m], source_slots[m]) to (rows[m], target_slots[m])
+        ([M] device tensors each; all sources are read before any target is written). After a tree
+        step the accepted path's nodes move to consecutive slots; as a node's position is length +
+        depth, its rotated key is already right there. Cost: one gather and one scatter per layer."""
+        for layer in range(self.num_layers):
+            if self.keys[layer] is None:
+                continue
+            for cache in (self.keys[layer], self.values[layer]):
+                moved = cache[rows, :, source_slots]  # [M, Hkv, D], a copy
+                cache[rows, :, target_slots] = moved

@@ -68,12 +68,15 @@ class GraphedForward:
         self.max_tokens = self.buckets[-1]
         self.max_groups = min(self.max_tokens, runner.cache.max_rows - 1) + 1  # + the filler group
         device = runner.device
-        # one int64 buffer: ids, positions, rows [T each]; group rows, first tokens, counts [G each]
-        self._sizes = [self.max_tokens] * 3 + [self.max_groups] * 3
+        # one int64 buffer: ids, cache slots, rows, RoPE positions, tree masks [T each]; group rows,
+        # first tokens, counts, tree starts [G each]. Every pass runs the tree kernel: a causal one
+        # as groups whose tree starts at the cache's end (no key in a tree), so one graph serves both
+        self._sizes = [self.max_tokens] * 5 + [self.max_groups] * 4
         self._offsets = np.cumsum([0] + self._sizes)
         self._device = torch.zeros(sum(self._sizes), dtype=torch.int64, device=device)
         views = torch.split(self._device, self._sizes)
-        self.input_ids, self.positions, self.token_rows, self.group_rows, self.group_first, self.group_counts = views
+        (self.input_ids, self.positions, self.token_rows, self.rope_positions, self.tree_masks,
+         self.group_rows, self.group_first, self.group_counts, self.group_tree_start) = views
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0
         self._pool = None
@@ -93,13 +96,16 @@ class GraphedForward:
             max_group_tokens=self.max_group_tokens,
             max_kv_len=runner.cache.max_len,
             backend=runner.backend,
+            token_tree_mask=self.tree_masks[:num_tokens],
+            group_tree_start=self.group_tree_start[:num_groups],
         )
 
     def _groups_for(self, bucket: int) -> int:
         return min(bucket, self.max_groups - 1) + 1
 
-    def _fill(self, input_ids: torch.Tensor | None, rows, starts, counts, bucket: int) -> None:
-        """Write one pass (real groups, then the filler group) into the static buffers."""
+    def _fill(self, input_ids: torch.Tensor | None, rows, starts, counts, bucket: int, tree=None) -> None:
+        """Write one pass (real groups, then the filler group) into the static buffers; a tree
+        pass's positions and masks (runner.TreeLayout) are copied device to device."""
         num_tokens = int(counts.sum())
         num_groups = self._groups_for(bucket)
         scratch = self.runner.cache.max_rows - 1
@@ -115,20 +121,28 @@ class GraphedForward:
         positions[:num_tokens] = starts[token_group] + np.arange(num_tokens) - group_first[token_group]
         token_rows = np.full(bucket, scratch, dtype=np.int64)
         token_rows[:num_tokens] = rows[token_group]
+        tree_starts = np.full(num_groups, self.runner.cache.max_len, dtype=np.int64)
+        if tree is not None:
+            tree_starts[:real_groups] = tree.tree_starts
         host = np.zeros(sum(self._sizes), dtype=np.int64)
         offsets = self._offsets
         host[offsets[1] : offsets[1] + bucket] = positions
         host[offsets[2] : offsets[2] + bucket] = token_rows
-        host[offsets[3] : offsets[3] + num_groups] = group_rows
-        host[offsets[4] : offsets[4] + num_groups] = group_first
-        host[offsets[5] : offsets[5] + num_groups] = group_counts
+        host[offsets[3] : offsets[3] + bucket] = positions  # RoPE positions: the slots, but in a tree
+        host[offsets[5] : offsets[5] + num_groups] = group_rows
+        host[offsets[6] : offsets[6] + num_groups] = group_first
+        host[offsets[7] : offsets[7] + num_groups] = group_counts
+        host[offsets[8] : offsets[8] + num_groups] = tree_starts
         self._device.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         if input_ids is not None:
             self.input_ids[:num_tokens].copy_(input_ids)
+        if tree is not None:
+            self.rope_positions[:num_tokens].copy_(tree.positions)
+            self.tree_masks[:num_tokens].copy_(tree.masks)
 
     def _run_model(self, bucket: int) -> torch.Tensor:
         runner = self.runner
-        position_ids = self.positions[:bucket]
+        position_ids = self.rope_positions[:bucket]
         if runner.max_position_id is not None:
             position_ids = position_ids.clamp(max=runner.max_position_id - 1)
         meta = self._metadata(bucket, self._groups_for(bucket))
@@ -199,7 +213,7 @@ class GraphedForward:
         return len(self.graphs) > 0 and int(counts.max()) <= self.max_group_tokens and int(counts.sum()) <= self.max_tokens
 
     def run(self, input_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-            bucket: int | None = None) -> torch.Tensor:
+            bucket: int | None = None, tree=None) -> torch.Tensor:
         """Replay the graph of the smallest bucket that holds this pass (or of ``bucket``, one that
         holds it) -> logits [N, V] (a view: copy before the next replay)."""
         num_tokens = int(counts.sum())
@@ -207,7 +221,7 @@ class GraphedForward:
             bucket = next(b for b in self.buckets if b >= num_tokens)
         elif bucket not in self.graphs or bucket < num_tokens:
             raise ValueError(f"bucket {bucket} does not hold a pass of {num_tokens} tokens; buckets: {sorted(self.graphs)}")
-        self._fill(input_ids, rows, starts, counts, bucket)
+        self._fill(input_ids, rows, starts, counts, bucket, tree)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:num_tokens]

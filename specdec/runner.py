@@ -57,6 +57,34 @@ class PackedLayout:
         return np.cumsum(self.counts) - 1
 
 
+TREE_MASK_BITS = 64  # tree slots one query's ancestor mask covers (an int64 per token)
+
+
+@dataclass
+class TreeLayout:
+    """What makes a packed pass a tree pass (ALGORITHMS.md section 7): token n sits at cache slot
+    ``starts[g] + its index in its group`` as usual, but RoPE sees ``positions[n]`` (committed
+    length + depth), and it attends to its row's keys below ``tree_starts[g]`` causally and to the
+    key at slot ``tree_starts[g] + j`` only if bit j of ``masks[n]`` is set (itself and its
+    ancestors). A group with no tree has tree start at the cache's end (plain causal)."""
+
+    positions: torch.Tensor  # [N] int64 on the model's device
+    masks: torch.Tensor  # [N] int64 on the model's device
+    tree_starts: np.ndarray  # [G] int64, host
+
+
+def check_tree_layout(layout: PackedLayout, tree: TreeLayout) -> None:
+    """A tree pass's host-side shape: one tree start per group, and every tree within the mask's
+    reach (the tree slots a group writes lie below tree start + TREE_MASK_BITS)."""
+    if tree.tree_starts.shape != layout.rows.shape:
+        raise ValueError(f"a tree pass needs one tree start per group: {len(layout.rows)} groups, "
+                         f"{len(tree.tree_starts)} tree starts")
+    reach = layout.starts + layout.counts - tree.tree_starts  # [G] tree slots up to each group's last token
+    if np.any(reach > TREE_MASK_BITS):
+        raise ValueError(f"a token tree of {int(reach.max())} nodes does not fit the attention's ancestor masks of "
+                         f"{TREE_MASK_BITS} bits: draft trees of at most {TREE_MASK_BITS} nodes")
+
+
 def vocab_size_of(model: torch.nn.Module) -> int:
     """Number of logits the model produces per token."""
     return model.get_output_embeddings().weight.shape[0]
@@ -152,7 +180,8 @@ def _bidirectional_attention(model) -> str | None:
     return None
 
 
-def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, backend) -> AttentionMetadata:
+def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, backend,
+                    tree: TreeLayout | None = None) -> AttentionMetadata:
     """Device-side description of a packed pass, shared by every attention layer."""
     counts = layout.counts
     offsets = layout.offsets()
@@ -175,6 +204,8 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
         max_group_tokens=max_queries,
         max_kv_len=int((layout.starts + counts).max()),
         backend=backend,
+        token_tree_mask=None if tree is None else tree.masks,
+        group_tree_start=None if tree is None else to_device_int(tree.tree_starts),
     )
 
 
@@ -369,12 +400,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, layout: PackedLayout, logits_indices: np.ndarray | None = None
+        self, input_ids: torch.Tensor, layout: PackedLayout, logits_indices: np.ndarray | None = None,
+        tree: TreeLayout | None = None,
     ) -> torch.Tensor:
         """Run the packed tokens and return their logits.
 
         input_ids: [N] on the model's device, grouped as ``layout`` says; logits_indices: packed
-        indices whose logits are wanted (all when None) -> logits [len(logits_indices) or N, V].
+        indices whose logits are wanted (all when None); tree: the positions and ancestor masks
+        of a tree pass -> logits [len(logits_indices) or N, V].
         The cache's lengths are left to the caller (it knows which tokens it commits to).
         """
         if layout.num_tokens == 0:
@@ -386,14 +419,16 @@ class ModelRunner:
             )
         if logits_indices is not None and np.array_equal(logits_indices, np.arange(layout.num_tokens)):
             logits_indices = None  # every token's logits, in order: no gather needed
+        if tree is not None:
+            check_tree_layout(layout, tree)
         if self.graphs is not None and self.graphs.fits(layout.counts):
             self.graph_passes += 1
-            logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts)  # valid until the next replay
+            logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts, tree=tree)  # until the next replay
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
-        meta = packed_metadata(layout, self.cache, self.device, self.backend)
+        meta = packed_metadata(layout, self.cache, self.device, self.backend, tree)
         keep = 0 if logits_indices is None else to_device(logits_indices, self.keep_device)
-        position_ids = meta.token_positions
+        position_ids = meta.token_positions if tree is None else tree.positions
         if self.max_position_id is not None:
             position_ids = position_ids.clamp(max=self.max_position_id - 1)
         output = self.model(

@@ -169,13 +169,34 @@ def _residual_probs(
 SIBLING_PURPOSE_STRIDE = 8  # the k-th sibling tried at a node draws its accept uniform for purpose ACCEPT + 8k
 
 
-def node_depths(parents: torch.Tensor) -> torch.Tensor:
+def tree_reach(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """[R, N] parent indices (-1 root), [R] real nodes -> [R, N, N] bool: node j is node i itself or
+    one of its ancestors (root excluded). Log2(N) boolean products, no loop over nodes; a pad
+    node (beyond num_nodes) or a parent that does not point earlier counts as a root child."""
+    num_rows, num_tree = parents.shape
+    nodes = torch.arange(num_tree, device=parents.device)
+    sound = (parents >= 0) & (parents < nodes[None, :]) & (nodes[None, :] < num_nodes[:, None])  # [R, N]
+    step = torch.zeros(num_rows, num_tree, num_tree, dtype=torch.float32, device=parents.device)
+    step.scatter_(2, parents.clamp(min=0)[:, :, None], sound[:, :, None].float())  # [R, N, N] parent links
+    reach = step + torch.eye(num_tree, device=parents.device)
+    for _ in range(max(num_tree - 1, 1).bit_length()):  # paths of length up to 2^t after t squarings
+        reach = (torch.bmm(reach, reach) > 0).float()
+    return reach > 0
+
+
+def node_depths(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
     """[R, N] parent indices (-1 root) -> [R, N] depths (a root child is at depth 1)."""
-    depths = torch.zeros_like(parents)
-    for node in range(parents.shape[1]):  # parents come first, so their depths are known
-        parent = parents[:, node]
-        depths[:, node] = torch.where(parent >= 0, depths.gather(1, parent.clamp(min=0)[:, None])[:, 0] + 1, 1)
-    return depths
+    if num_nodes is None:
+        num_nodes = torch.full(parents.shape[:1], parents.shape[1], device=parents.device)
+    return tree_reach(parents, num_nodes).sum(dim=2)
+
+
+def tree_masks(reach: torch.Tensor) -> torch.Tensor:
+    """[R, N, N] tree_reach -> [R, N] int64 bitmask per node: bit j set when node j is the node or
+    one of its ancestors (what the node attends to within the tree; N <= 64)."""
+    bits = torch.ones(reach.shape[-1], dtype=torch.int64, device=reach.device) << torch.arange(
+        reach.shape[-1], device=reach.device)  # 1 << 63 wraps to the sign bit: still that bit
+    return (reach.long() * bits).sum(dim=2)
 
 
 def sibling_ordinals(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
@@ -191,7 +212,7 @@ def tree_accept_uniforms(parents: torch.Tensor, num_nodes: torch.Tensor, seeds: 
                          first_positions: torch.Tensor) -> torch.Tensor:
     """[R, N] the uniform that accepts or rejects each node, keyed by (seed, the node's position,
     its place among its siblings): a chain's nodes draw exactly the chain rule's uniforms."""
-    positions = first_positions[:, None] + node_depths(parents) - 1  # [R, N] the position each node would take
+    positions = first_positions[:, None] + node_depths(parents, num_nodes) - 1  # [R, N] the position each node would take
     purposes = noise.ACCEPT + SIBLING_PURPOSE_STRIDE * sibling_ordinals(parents, num_nodes)  # [R, N]
     return noise.uniform(noise.stream_keys(seeds[:, None], positions, purposes))
 
@@ -271,25 +292,55 @@ def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.T
     return path, num_accepted, current + 1, residual, accept_probs
 
 
+def greedy_tree_path(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                     target_logits: torch.Tensor, reach: torch.Tensor | None = None):
+    """The greedy rule over a tree in a fixed number of tensor operations: a node is on the
+    accepted path when it and every ancestor carry the target's argmax after their parent. With
+    distinct siblings (check_tree) those nodes form one path from the root; its deepest node ends
+    it. token_ids, parents: [R, N]; target_logits: [R, N + 1, V] -> (path [R, N], num_accepted [R],
+    final_slot [R]) as walk_tree gives them."""
+    num_rows, num_tree = token_ids.shape
+    device = token_ids.device
+    nodes = torch.arange(num_tree, device=device)
+    if reach is None:
+        reach = tree_reach(parents, num_nodes)  # [R, N, N]
+    argmax = target_logits.argmax(dim=-1)  # [R, N + 1]
+    real = nodes[None, :] < num_nodes[:, None]
+    matches = real & (token_ids == argmax.gather(1, parents.clamp(min=-1) + 1))  # [R, N]
+    on_path = ~(reach & ~matches[:, None, :]).any(dim=2)  # [R, N]: no ancestor-or-self misses
+    depths = reach.sum(dim=2)  # [R, N]
+    num_accepted = (on_path * depths).amax(dim=1) if num_tree else torch.zeros(num_rows, dtype=torch.long, device=device)
+    last = (on_path * depths).argmax(dim=1) if num_tree else num_accepted
+    final_slot = torch.where(num_accepted > 0, last + 1, 0)
+    path = torch.full((num_rows, num_tree + 1), -1, dtype=torch.long, device=device)  # a spare column for off-path nodes
+    column = torch.where(on_path, depths - 1, num_tree)  # [R, N]
+    path.scatter_(1, column, torch.where(on_path, nodes[None, :].expand(num_rows, -1), -1))
+    return path[:, :num_tree], num_accepted, final_slot
+
+
 def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_logits: torch.Tensor,
                  draft_probs: torch.Tensor | None, params: SamplingParams, seeds: torch.Tensor,
-                 first_positions: torch.Tensor) -> tuple[Verdict, torch.Tensor]:
-    """The tree acceptance rule for every row at once (walk_tree), with keyed randomness.
+                 first_positions: torch.Tensor, logprobs: bool = False,
+                 reach: torch.Tensor | None = None) -> tuple[Verdict, torch.Tensor]:
+    """The tree acceptance rule for every row at once (greedy_tree_path, walk_tree), with keyed
+    randomness.
 
     token_ids, parents: [R, N] (PAD_ID / anything beyond num_nodes [R]); target_logits:
     [R, N + 1, V]; draft_probs: [R, N, V] or None (children chosen deterministically); seeds,
-    first_positions: [R] -> (Verdict with token_ids [R, N + 1]: the accepted path's tokens, then
-    the recovered or bonus token; path [R, N]: the accepted nodes, for the cache to keep).
+    first_positions: [R]; reach: tree_reach when the caller has it -> (Verdict with token_ids
+    [R, N + 1]: the accepted path's tokens, then the recovered or bonus token, and with their
+    log-probabilities when ``logprobs``; path [R, N]: the accepted nodes, for the cache to keep).
     A chain (parents [-1, 0, 1, ...]) gets exactly chain_verdict's verdict. Trees are checked
     (check_tree) where they are built, on the host, not here in the step.
     """
     if params.greedy:
-        scores, accept_u = target_logits, None
+        path, num_accepted, final_slot = greedy_tree_path(token_ids, parents, num_nodes, target_logits, reach)
+        scores = None
     else:
         scores = process_logits(target_logits, params)  # [R, N + 1, V]
         accept_u = tree_accept_uniforms(parents, num_nodes, seeds, first_positions)
-    path, num_accepted, final_slot, residual, _ = walk_tree(token_ids, parents, num_nodes, scores, draft_probs,
-                                                           params, accept_u)
+        path, num_accepted, final_slot, residual, _ = walk_tree(token_ids, parents, num_nodes, scores, draft_probs,
+                                                               params, accept_u)
     rows = torch.arange(token_ids.shape[0], device=token_ids.device)
     if params.greedy:
         last = target_logits[rows, final_slot].argmax(dim=-1)
@@ -301,6 +352,11 @@ def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torc
     emitted[:, :-1] = torch.where(on_path, token_ids.gather(1, path.clamp(min=0)), PAD_ID)
     emitted[rows, num_accepted] = last
     verdict = Verdict(token_ids=emitted, num_emitted=num_accepted + 1, num_accepted=num_accepted)
+    if logprobs:  # emitted token j was scored at the slot after the path's node j - 1 (slot 0: after the root)
+        slots = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1).clamp(min=0)  # [R, N + 1]
+        slot_logits = target_logits.gather(1, slots[..., None].expand(-1, -1, target_logits.shape[-1]))
+        slot_scores = None if scores is None else scores.gather(1, slots[..., None].expand(-1, -1, scores.shape[-1]))
+        verdict.logprobs = emitted_logprobs(slot_logits, emitted, params, slot_scores)
     return verdict, path
 
 

@@ -66,6 +66,32 @@ def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray,
     return adjusted
 
 
+def apply_tree_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray, token_ids: torch.Tensor,
+                           reach: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The same rules over a tree: slot 0 scores the token after the committed ones, slot i + 1
+    the token after node i, which follows its ancestors and itself only. logits: [R, N + 1, V],
+    token_ids: [R, N] (PAD_ID beyond a row's nodes), reach: [R, N, N] (sampling.tree_reach) ->
+    adjusted float32 logits [R, N + 1, V], a new tensor. Cost: a [R, N + 1, V] mask of seen tokens."""
+    num_rows, num_slots, vocab_size = logits.shape
+    device = logits.device
+    adjusted = logits.to(torch.float32, copy=True)  # [R, S, V]
+    no_node = torch.zeros_like(reach[:, :1])  # [R, 1, N]: slot 0 follows the root alone
+    before_slot = torch.cat([no_node, reach], dim=1)  # [R, S, N]: the nodes each slot's token follows
+    penalty = _penalty(params)
+    if penalty is not None:
+        seen = committed_tokens_seen(batch, rows, vocab_size, device)[:, None, :].repeat(1, num_slots, 1)  # [R, S, V+1]
+        index = torch.where(before_slot, token_ids[:, None, :], PAD_ID)  # [R, S, N]
+        seen.scatter_(2, _with_spare_column(index, vocab_size), True)
+        penalised = torch.where(adjusted < 0, adjusted * penalty, adjusted / penalty)
+        adjusted = torch.where(seen[..., :vocab_size], penalised, adjusted)
+    if batch.min_new_tokens > 0 and len(batch.eos_token_ids):
+        generated = to_device(batch.num_generated[rows], device)  # [R]
+        blocked = generated[:, None] + before_slot.sum(dim=2) < batch.min_new_tokens  # [R, S]
+        eos = to_device(batch.eos_token_ids, device)  # [E]
+        adjusted[..., eos] = adjusted[..., eos].masked_fill(blocked[..., None], float("-inf"))
+    return adjusted
+
+
 def _with_spare_column(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Token ids with PAD_ID pointed at column ``vocab_size``, a spare one that is dropped."""
     return torch.where(tokens == PAD_ID, vocab_size, tokens)

@@ -1,7 +1,8 @@
 """Fast attention over packed ragged rows and our KV cache, as a Triton kernel (DESIGN §4).
 
-Invariant: the output equals ``attention.reference_attention`` (causal by position, optional
-sliding window), and each program reads its row's keys and values only up to the row's real
+Invariant: the output equals ``attention.reference_attention`` (causal by cache slot, optional
+sliding window; in a tree pass also an ancestor bitmask per query over the 64 slots from its
+group's tree start), and each program reads its row's keys and values only up to the row's real
 length (the largest query position in its group plus one, from the window's start when there
 is one): never to the cache's ``max_len``.
 
@@ -22,13 +23,14 @@ import triton.language as tl
 def _packed_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     token_positions_ptr, group_rows_ptr, group_first_token_ptr, group_counts_ptr,
+    tree_mask_ptr, group_tree_start_ptr,
     stride_q_token, stride_q_head,
     stride_k_row, stride_k_head, stride_k_pos,
     stride_v_row, stride_v_head, stride_v_pos,
     stride_o_token, stride_o_head,
     scale, window,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, TREE: tl.constexpr,
 ):
     group = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -45,7 +47,10 @@ def _packed_attention_kernel(
         valid_d = offs_d < HEAD_DIM
         q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
                     mask=valid_m[:, None] & valid_d[None, :], other=0.0)  # [M, D]
-        q_pos = tl.load(token_positions_ptr + token, mask=valid_m, other=0)  # [M]
+        q_pos = tl.load(token_positions_ptr + token, mask=valid_m, other=0)  # [M] cache slots
+        if TREE:
+            tree_mask = tl.load(tree_mask_ptr + token, mask=valid_m, other=0)  # [M] int64 bits over tree slots
+            tree_start = tl.load(group_tree_start_ptr + group)
         kv_len = tl.max(tl.where(valid_m, q_pos, 0), axis=0) + 1
         lowest = tl.min(tl.where(valid_m, q_pos, kv_len), axis=0) - window + 1  # first key a window lets in
         kv_start = tl.where(window > 0, tl.maximum(lowest, 0) // BLOCK_N * BLOCK_N, 0)
@@ -66,6 +71,10 @@ def _packed_attention_kernel(
                 scores = tl.dot(q, k)
             scores = scores * scale  # [M, N]
             visible = offs_n[None, :] <= q_pos[:, None]
+            if TREE:  # keys below the tree start causally, tree keys by their bit in the query's mask
+                offset = offs_n - tree_start  # [N]
+                bit = (tree_mask[:, None] >> tl.minimum(tl.maximum(offset, 0), 63)[None, :].to(tl.int64)) & 1
+                visible = visible & ((offset < 0)[None, :] | ((offset < 64)[None, :] & (bit == 1)))
             if window > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
@@ -97,9 +106,12 @@ def packed_attention(
     max_group_tokens: int,
     scaling: float,
     sliding_window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
+    group_tree_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [N, H, D] (last dim contiguous); keys/values: cache [R, Hkv, L, D];
-    token_positions: [N]; group_rows, group_first_token, group_counts: [G] -> output [N, H, D]."""
+    token_positions: [N] cache slots; group_rows, group_first_token, group_counts: [G];
+    tree_mask [N] and group_tree_start [G] for a tree pass (AttentionMetadata) -> output [N, H, D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     heads_per_kv = num_heads // num_kv_heads
@@ -114,13 +126,15 @@ def packed_attention(
     _packed_attention_kernel[grid](
         query, keys, values, out,
         token_positions, group_rows, group_first_token, group_counts,
+        token_positions if tree_mask is None else tree_mask,
+        group_rows if group_tree_start is None else group_tree_start,
         query.stride(0), query.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         out.stride(0), out.stride(1),
         scaling, sliding_window or 0,
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=64, IEEE=query.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=64, IEEE=query.dtype == torch.float32, TREE=tree_mask is not None,
         num_warps=4,
     )
     return out

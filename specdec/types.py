@@ -82,20 +82,35 @@ class Plan:
 
 @dataclass
 class Draft:
-    """A chain of proposed tokens per row.
+    """A tree of proposed tokens per row; a chain is the tree whose node i has parent i - 1.
 
-    ``probs`` holds, for each drafted token, the processed distribution it was sampled from; it
-    is ``None`` for point-mass proposals (prompt lookup, or any greedy drafter), which the
-    acceptance rule treats as one-hot.
+    Nodes are stored parents first: node i's parent ``parents[r, i]`` is an earlier node or -1,
+    the row's last committed token (the root). ``parents`` None means every row is a chain.
+    ``probs`` holds, for each node, the processed distribution it was drawn from given its parent
+    and the siblings drawn before it (for siblings drawn without replacement: the parent's
+    distribution with the earlier siblings removed, renormalised); it is ``None`` for point-mass
+    proposals (prompt lookup, greedy or top-k children), which the acceptance rule treats as
+    one-hot. ``depths`` [B] (host) is each row's tree depth as built (a chain's: its length).
     """
 
     token_ids: torch.Tensor  # [B, K] int64, PAD_ID beyond num_tokens
     num_tokens: np.ndarray  # [B] int64, host-side
     probs: torch.Tensor | None = None  # [B, K, V] float32
+    parents: torch.Tensor | None = None  # [B, K] int64, -1 for children of the root
+    depths: np.ndarray | None = None  # [B] int64, host-side; None for chains (num_tokens)
 
     @property
     def max_tokens(self) -> int:
         return self.token_ids.shape[1]
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    @property
+    def row_depths(self) -> np.ndarray:
+        """[B] how deep each row's draft reaches (the most tokens it can have accepted)."""
+        return self.num_tokens if self.depths is None else np.minimum(self.depths, self.num_tokens)
 
     def to(self, device: torch.device) -> "Draft":
         """The same draft on ``device`` (itself when it is there already): a drafter may sit on
@@ -105,15 +120,16 @@ class Draft:
             return self
         # asynchronous only towards a GPU: a copy to the host must be complete when it is read
         non_blocking = device.type == "cuda"
-        return Draft(token_ids=self.token_ids.to(device, non_blocking=non_blocking), num_tokens=self.num_tokens,
-                     probs=None if self.probs is None else self.probs.to(device, non_blocking=non_blocking))
+        move = lambda tensor: None if tensor is None else tensor.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Draft(token_ids=move(self.token_ids), num_tokens=self.num_tokens, probs=move(self.probs),
+                     parents=move(self.parents), depths=self.depths)
 
 
 @dataclass
 class Verdict:
     """What the target decided this step, per row (sampling.py defines the vocabulary).
 
-    ``token_ids`` holds the accepted draft tokens followed by one recovered or bonus token;
+    ``token_ids`` holds the accepted draft tokens (a tree's: its accepted path) followed by one recovered or bonus token;
     rows that took no part in the step have ``num_emitted == 0``.
     """
 
@@ -121,6 +137,7 @@ class Verdict:
     num_emitted: torch.Tensor  # [B] int64
     num_accepted: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None = None  # [B, K+1] float32: log p of each emitted token, when asked for
+    path: torch.Tensor | None = None  # [B, K] int64: a tree draft's accepted nodes in order, -1 beyond (device only)
 
     def to_host(self, group=None) -> "HostVerdict":
         """Copy to the host: the one synchronisation of a decoding step. With a process

@@ -79,15 +79,27 @@ def merge_drafts(drafts: list[Draft], owner: np.ndarray, vocab_size: int) -> Dra
     num_tokens = np.zeros(num_rows, dtype=np.int64)
     with_probs = any(d.probs is not None for d in drafts)
     probs = torch.zeros(num_rows, max_tokens, vocab_size, device=device) if with_probs else None  # [B, K, V]
+    trees = any(d.is_tree for d in drafts)  # then chain rows become trees with parents i - 1
+    parents = chain_parents(num_rows, max_tokens, device) if trees else None  # [B, K]
+    depths = np.zeros(num_rows, dtype=np.int64)
     for index, draft in enumerate(drafts):
         mine = owner_t == index  # [B]
         width = draft.max_tokens
         token_ids[:, :width] = torch.where(mine[:, None], draft.token_ids, token_ids[:, :width])
         num_tokens = np.where(owner == index, draft.num_tokens, num_tokens)
+        depths = np.where(owner == index, draft.row_depths, depths)
+        if trees and draft.is_tree:
+            parents[:, :width] = torch.where(mine[:, None], draft.parents, parents[:, :width])
         if probs is not None:
             draft_probs = draft.probs
             if draft_probs is None:
                 one_hot_ids = draft.token_ids.clamp(min=0)
                 draft_probs = torch.nn.functional.one_hot(one_hot_ids, vocab_size).float()
             probs[:, :width] = torch.where(mine[:, None, None], draft_probs, probs[:, :width])
-    return Draft(token_ids=token_ids, num_tokens=num_tokens, probs=probs)
+    return Draft(token_ids=token_ids, num_tokens=num_tokens, probs=probs, parents=parents,
+                 depths=depths if trees else None)
+
+
+def chain_parents(num_rows: int, width: int, device) -> torch.Tensor:
+    """[num_rows, width] the parents of chains as a tree: node i's parent is i - 1."""
+    return (torch.arange(width, device=device) - 1).expand(num_rows, width).clone()

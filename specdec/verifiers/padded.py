@@ -19,7 +19,7 @@ PAD_TOKEN_FOR_MODEL = 0  # any valid id: pad slots' outputs are never read
 
 
 class PaddedVerifier(Verifier):
-    def score(self, runner, batch, rows, chains, num_draft):
+    def score(self, runner, batch, rows, chains, num_draft, tree=None):
         num_rows, grid_width = chains.shape
         width = int(num_draft.max(initial=0)) + 1  # the longest chain of the step
         layout: PackedLayout = chain_layout(batch, rows, np.full(num_rows, width, dtype=np.int64))
