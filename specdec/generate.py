@@ -133,7 +133,10 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
     )
     # a row drafts at most one token fewer than it may still emit (_bounded), so caches and
     # graphs are sized by what the call can use, not by the policy's largest length
-    max_draft = min(policy.max_draft_tokens, max(max_new_tokens - 1, 0))
+    # (a tree's nodes are not bounded so, only its depth: its node budget sizes them)
+    trees = np.array([d.makes_trees for d in drafters], dtype=bool)  # [D]
+    max_draft = (policy.max_draft_tokens if trees.any() and max_new_tokens > 1
+                 else min(policy.max_draft_tokens, max(max_new_tokens - 1, 0)))
     attention, cuda_graphs, compile = resolve_backend(target, attention, cuda_graphs, compile)
     graph_shape = (max_draft + 1, batch.num_rows * (max_draft + 1)) if cuda_graphs else None
     group = tensor_parallel_group(target)  # None unless the target is sharded over processes
@@ -153,7 +156,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
         step = 0
         while not batch.finished.all():
             step_started = time.perf_counter()
-            plan = _bounded(_checked(policy.plan(batch, len(drafters)), policy, batch, len(drafters)), batch)
+            plan = _bounded(_checked(policy.plan(batch, len(drafters)), policy, batch, len(drafters)), batch, trees)
             plan_time_s = time.perf_counter() - step_started
             with timer.phase("draft"):
                 draft = _propose(drafters, batch, plan, device, vocab_size, timer)
@@ -183,6 +186,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
                 drafter_wall_s=np.array([timer.host_seconds.get(f"drafter {i}", 0.0) for i in range(len(drafters))]),
                 step_time_s=time.perf_counter() - step_started,
                 plan_time_s=plan_time_s,
+                draft_depths=draft.depths if draft.is_tree else None,
             )
             recorder.record(record, time.perf_counter() - started, batch.finished)
             policy.observe(record)
@@ -219,10 +223,14 @@ def _checked(plan: Plan, policy: Policy, batch: BatchState, num_drafters: int) -
     return plan
 
 
-def _bounded(plan: Plan, batch: BatchState) -> Plan:
+def _bounded(plan: Plan, batch: BatchState, trees: np.ndarray) -> Plan:
     """No drafting for finished rows, nor beyond what a row may still emit (the step's own
-    recovered or bonus token takes one of those)."""
+    recovered or bonus token takes one of those). A row whose drafter grows trees (``trees``
+    [D]) keeps its node budget while it may emit two tokens or more: the drafter bounds the
+    tree's depth by what the row may still emit."""
     limit = np.maximum(batch.remaining - 1, 0)
+    tree_row = trees[plan.drafter_index] if len(trees) else np.zeros(batch.num_rows, dtype=bool)
+    limit = np.where(tree_row & (limit > 0), plan.num_draft_tokens, limit)
     return Plan(drafter_index=plan.drafter_index, num_draft_tokens=np.minimum(plan.num_draft_tokens, limit))
 
 

@@ -164,8 +164,9 @@ def _residual_probs(
 
 # --- token trees -----------------------------------------------------------------------------
 # A row's tree: nodes 0..N-1 stored parents first, node i's parent parents[i] < i (-1: the root,
-# the row's last committed token). Slot 0 of the target's scores follows the root, slot i + 1
+# the row's last committed token; DETACHED: an empty slot, whose own children must be DETACHED too). Slot 0 of the target's scores follows the root, slot i + 1
 # follows node i. Children of a node are tried in index order.
+DETACHED = -2  # the parent of a draft slot that holds no node of the tree: the rule never tries it
 SIBLING_PURPOSE_STRIDE = 8  # the k-th sibling tried at a node draws its accept uniform for purpose ACCEPT + 8k
 
 
@@ -305,7 +306,7 @@ def greedy_tree_path(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: 
     if reach is None:
         reach = tree_reach(parents, num_nodes)  # [R, N, N]
     argmax = target_logits.argmax(dim=-1)  # [R, N + 1]
-    real = nodes[None, :] < num_nodes[:, None]
+    real = (nodes[None, :] < num_nodes[:, None]) & (parents >= -1)
     matches = real & (token_ids == argmax.gather(1, parents.clamp(min=-1) + 1))  # [R, N]
     on_path = ~(reach & ~matches[:, None, :]).any(dim=2)  # [R, N]: no ancestor-or-self misses
     depths = reach.sum(dim=2)  # [R, N]
@@ -365,11 +366,18 @@ def check_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.
     children chosen deterministically (q = one-hot), two siblings with the same token."""
     nodes = torch.arange(parents.shape[1], device=parents.device)
     real = nodes[None, :] < num_nodes[:, None]
-    bad = real & ((parents >= nodes[None, :]) | (parents < -1))
+    bad = real & ((parents >= nodes[None, :]) | (parents < DETACHED))
     if bad.any():
         row, node = (int(i) for i in torch.nonzero(bad)[0])
         raise ValueError(f"tree row {row}: node {node} has parent {int(parents[row, node])}; a parent must be -1 (the "
-                         "root) or an earlier node")
+                         f"root), an earlier node or {DETACHED} (an empty slot)")
+    detached = parents == DETACHED
+    orphan = real & (parents >= 0) & detached.gather(1, parents.clamp(min=0))
+    if orphan.any():
+        row, node = (int(i) for i in torch.nonzero(orphan)[0])
+        raise ValueError(f"tree row {row}: node {node}'s parent {int(parents[row, node])} is an empty slot "
+                         f"(parent {DETACHED}); its children must be empty slots too")
+    real = real & ~detached
     if deterministic:
         pair = (real[:, :, None] & real[:, None, :] & (parents[:, :, None] == parents[:, None, :])
                 & (token_ids[:, :, None] == token_ids[:, None, :]) & (nodes[None, :] < nodes[:, None])[None])

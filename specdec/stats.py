@@ -2,14 +2,18 @@
 
 Per request, counted over the decoding steps the request took part in:
 - ``steps``: verification steps (one target forward each); a plain-decoding step counts too.
-- ``drafted``: draft tokens proposed for the request.
-- ``accepted``: draft tokens the acceptance rule kept that reached the output.
+- ``drafted``: draft tokens proposed for the request (a token tree's: its nodes, slots
+  included).
+- ``accepted``: draft tokens the acceptance rule kept that reached the output (a tree's: its
+  accepted path).
 - ``emitted``: tokens appended to the output (accepted + one recovered or bonus token per step,
   fewer only in the step that hits EOS or ``max_new_tokens``). Equals the output length.
 - ``tau`` (mean accepted length): emitted / steps; plain decoding has tau = 1.
 - ``acceptance_rate``: accepted / drafted.
 - ``acceptance_by_position[i]`` (i = 0 for the first draft token): among steps that drafted at
-  least i + 1 tokens, the fraction that accepted at least i + 1 of them.
+  least i + 1 tokens, the fraction that accepted at least i + 1 of them. For token trees,
+  position is depth: among steps whose tree was built i + 1 levels deep or more, the fraction
+  whose accepted path reached depth i + 1.
 - ``wall_time_s``: from the start of generate() to the end of the step that finished the
   request; ``tokens_per_s`` = emitted / wall_time_s.
 Overall: sums of the per-request counts; ``tau`` = emitted / request-steps; ``steps`` counts
@@ -49,6 +53,7 @@ class StepRecord:
     step_time_s: float | None = None  # host wall time of the whole step, from the policy's plan to the commit
     drafter_wall_s: np.ndarray | None = None  # [D] host-clock time of each drafter's propose (its share of step_time_s)
     plan_time_s: float = 0.0  # host wall time of the policy's plan (its share of step_time_s)
+    draft_depths: np.ndarray | None = None  # [B] how deep each row's token tree reached; None: chains (num_drafted)
 
 
 @dataclass
@@ -182,8 +187,9 @@ class StatsRecorder:
         self.drafted += record.num_drafted
         self.accepted += record.num_accepted
         self.emitted += record.num_emitted
-        position = np.arange(self.drafted_at.shape[1])
-        self.drafted_at += position < record.num_drafted[:, None]
+        position = np.arange(self.drafted_at.shape[1])  # a tree's depth (a chain's position) less one
+        reach = record.num_drafted if record.draft_depths is None else record.draft_depths
+        self.drafted_at += position < reach[:, None]
         self.accepted_at += position < record.num_accepted[:, None]
         newly_finished = np.zeros_like(finished)
         newly_finished[record.rows] = finished[record.rows]

@@ -246,7 +246,7 @@ def test_greedy_walks_the_longest_argmax_path():
 
 def test_malformed_trees_get_clear_errors():
     tokens, count = torch.tensor([[1, 2, 3]]), torch.tensor([3])
-    with pytest.raises(ValueError, match="node 1 has parent 1; a parent must be -1 .the root. or an earlier node"):
+    with pytest.raises(ValueError, match="node 1 has parent 1; a parent must be -1 .the root., an earlier node or -2"):
         check_tree(tokens, torch.tensor([[-1, 1, 0]]), count, deterministic=True)
     with pytest.raises(ValueError, match="nodes 0 and 1 are siblings with the same token 4"):
         check_tree(torch.tensor([[4, 4, 3]]), torch.tensor([[-1, -1, 0]]), count, deterministic=True)

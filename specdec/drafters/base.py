@@ -22,6 +22,14 @@ from ..types import PAD_ID, Draft, SamplingParams
 class Drafter(ABC):
     #: size of the vocabulary the drafter proposes from; None if it copies tokens it has seen
     vocab_size: int | None = None
+    #: its token-tree spec (drafters/tree.py), or None when it proposes chains
+    tree = None
+
+    @property
+    def makes_trees(self) -> bool:
+        """Whether it proposes token trees: a row asked for k tokens gets a tree of up to k
+        nodes no deeper than the row may still emit less one (``batch.remaining - 1``)."""
+        return self.tree is not None
 
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
         """Prepare for a generate() call (allocate caches). Called once before any propose."""

@@ -26,12 +26,13 @@ from ..transfer import to_device
 
 from .. import noise
 from ..batch import BatchState
-from ..runner import (ModelRunner, PackedLayout, check_supported, device_of, resolve_backend, runner_for, runners_of,
-                      vocab_size_of)
-from ..sampling import next_tokens
+from ..runner import (ModelRunner, PackedLayout, TreeLayout, check_supported, device_of, resolve_backend, runner_for,
+                      runners_of, vocab_size_of)
+from ..sampling import DETACHED, next_tokens, process_logits
 from ..token_rules import apply_token_rules, committed_tokens_seen, penalises_repeats, rules_active
 from ..types import PAD_ID, Draft, SamplingParams
 from .base import Drafter
+from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs
 
 
 MAX_CATCH_UP_PASSES = 4  # graphed passes a lagging catch-up may take before one eager pass does it
@@ -47,10 +48,15 @@ def _free_drafter_role(model) -> str:
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, model, attention: str = "auto", cuda_graphs: bool | str = False, compile: bool = False):
+    def __init__(self, model, attention: str = "auto", cuda_graphs: bool | str = False, compile: bool = False,
+                 tree: TreeSpec | None = None):
         """attention, cuda_graphs and compile as for generate(): attention "auto" is the fast
-        kernel on a CUDA model and the reference backend elsewhere; graphs are opt-in."""
+        kernel on a CUDA model and the reference backend elsewhere; graphs are opt-in. tree: grow
+        token trees of this spec (drafters/tree.py; verify with TreeVerifier), None for chains."""
         check_supported(model)
+        if tree is not None and not isinstance(tree, TreeSpec):
+            raise TypeError(f"tree must be a TreeSpec (depth, branching, sampled) or None for chains, got {tree!r}")
+        self.tree = tree
         self.model = model
         self.attention, self.cuda_graphs, self.compile = resolve_backend(model, attention, cuda_graphs, compile)
         self.vocab_size = vocab_size_of(model)
@@ -68,7 +74,8 @@ class ModelDrafter(Drafter):
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
     def describe(self) -> str:
-        return f"ModelDrafter({type(self.model).__name__}, {sum(p.numel() for p in self.model.parameters()):,} params)"
+        shape = "" if self.tree is None else f", tree depth {self.tree.depth} x {self.tree.branching}"
+        return f"ModelDrafter({type(self.model).__name__}, {sum(p.numel() for p in self.model.parameters()):,} params{shape})"
 
     def _current_device(self):
         """Make the drafter's GPU the current one while it works (kernel launches and graph
@@ -82,8 +89,10 @@ class ModelDrafter(Drafter):
 
     def _start(self, batch: BatchState, sampling: SamplingParams, max_draft_tokens: int) -> None:
         self.sampling = sampling
-        # catch-up passes carry one or two tokens per row after the first step; single-token steps one
-        graph_shape = (2, 2 * batch.num_rows) if self.cuda_graphs else None
+        # catch-up passes carry one or two tokens per row after the first step; single-token steps
+        # one; a tree's expansion passes ``branching`` a row
+        group = 2 if self.tree is None else max(2, self.tree.branching)
+        graph_shape = (group, group * batch.num_rows) if self.cuda_graphs else None
         self.runner_role = _free_drafter_role(self.model)
         self._runner = runner_for(self.model, role=self.runner_role, max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft_tokens + 1,
                                   attention=self.attention, graph_shape=graph_shape, compile=self.compile)
@@ -105,6 +114,8 @@ class ModelDrafter(Drafter):
             return self._propose(batch, num_tokens)
 
     def _propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
+        if self.tree is not None:
+            return self._propose_tree(batch, num_tokens)
         runner = self._runner
         device = runner.device
         max_tokens = int(num_tokens.max(initial=0))
@@ -150,6 +161,90 @@ class ModelDrafter(Drafter):
             logits = runner.forward(chosen, layout)  # [R', V]
             cached[rows] += 1
         return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
+
+    def _propose_tree(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
+        """Grow each asked row's tree of ``num_tokens[r]`` nodes (drafters/tree.py): depth - 1
+        packed passes of ``branching`` tokens a row after the catch-up, each frontier node at
+        position length + level - 1 and cache slot length + its feeding order, attending to its
+        ancestors. The cache keeps only the committed tokens (the fed nodes lie beyond
+        ``cache.lengths``), so commit() needs nothing more than for chains. The drafter's own
+        logits are not adjusted by token rules here (more rejections under them, never a wrong
+        token)."""
+        spec, runner = self.tree, self._runner
+        device, vocab = runner.device, runner.vocab_size
+        width = int(num_tokens.max(initial=0))
+        draft = Draft(token_ids=torch.full((batch.num_rows, width), PAD_ID, dtype=torch.int64, device=device),
+                      num_tokens=num_tokens.copy(), parents=torch.full((batch.num_rows, width), DETACHED,
+                                                                        dtype=torch.int64, device=device),
+                      depths=np.minimum(np.minimum(spec.depth, num_tokens), np.maximum(batch.remaining - 1, 0)))
+        rows = np.flatnonzero(num_tokens > 0)
+        if len(rows) == 0:
+            return draft
+        logits = self._catch_up(batch, rows)  # [R, V]
+        num_rows, k = len(rows), spec.branching
+        greedy = self.sampling.greedy
+        sampled = spec.sampled and not greedy
+        distribution = ((lambda scores: scores.float().softmax(dim=-1)) if greedy
+                        else (lambda scores: process_logits(scores, self.sampling)))
+        rows_t = to_device(rows, device)
+        seeds, lengths = self._seeds[rows_t], to_device(batch.lengths[rows], device)  # [R] each
+        depth_limit = np.minimum(np.minimum(spec.depth, num_tokens[rows]), np.maximum(batch.remaining[rows] - 1, 1))
+        max_depth = int(depth_limit.max())
+
+        q = distribution(logits)[:, None]  # [R, 1, V] after the root
+        kids = choose_children(q, k, sampled, seeds, lengths)
+        expander_q, expander_children = [q], [kids.tokens]  # per expanded node: its q and its children
+        pool_tokens, pool_scores = [kids.tokens[:, 0]], [kids.log_probs[:, 0]]  # [R, k] level 1
+        pool_parent = [torch.full((num_rows, k), -1, dtype=torch.int64, device=device)]
+        pool_expander = [torch.zeros(num_rows, k, dtype=torch.int64, device=device)]
+        pool_level = [np.ones(k, dtype=np.int64)]
+        frontier = torch.arange(k, device=device).expand(num_rows, k)  # pool indices of the nodes to feed
+        frontier_scores = kids.log_probs[:, 0]
+        slots = torch.arange(k, device=device)
+        masks = (torch.ones(k, dtype=torch.int64, device=device) << slots).expand(num_rows, k)  # [R, k]
+        pool_size = k
+        for level in range(2, max_depth + 1):
+            fed = (level - 2) * k  # the frontier's first tree slot
+            layout = PackedLayout(rows=rows, starts=batch.lengths[rows] + fed, counts=np.full(num_rows, k))
+            tree = TreeLayout(positions=(lengths[:, None] + level - 2).expand(num_rows, k).reshape(-1),
+                              masks=masks.reshape(-1), tree_starts=batch.lengths[rows])
+            tokens = torch.cat(pool_tokens, dim=1).gather(1, frontier)  # [R, k]
+            q = distribution(runner.forward(tokens.reshape(-1), layout, tree=tree).view(num_rows, k, vocab))
+            kids = choose_children(q, k, sampled, seeds, lengths + level - 1)  # [R, k, k]
+            expander_q.append(q)
+            expander_children.append(kids.tokens)
+            scores = (frontier_scores[:, :, None] + kids.log_probs).reshape(num_rows, k * k)
+            pool_tokens.append(kids.tokens.reshape(num_rows, k * k))
+            pool_scores.append(scores)
+            pool_parent.append(frontier.repeat_interleave(k, dim=1))
+            pool_expander.append((1 + fed + slots).repeat_interleave(k).expand(num_rows, k * k))
+            pool_level.append(np.full(k * k, level, dtype=np.int64))
+            if level < max_depth:  # the next frontier: this level's best k (ties: earlier first)
+                best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [R, k]
+                masks = masks.gather(1, best // k) | (torch.ones_like(best) << (fed + k + slots))
+                frontier, frontier_scores = pool_size + best, scores.gather(1, best)
+            pool_size += k * k
+
+        scores = torch.cat(pool_scores, dim=1)  # [R, P]
+        levels = to_device(np.concatenate(pool_level), device)  # [P]
+        allowed = torch.isfinite(scores) & (levels[None, :] <= to_device(depth_limit, device)[:, None])
+        chosen, real = select_nodes(scores, allowed, to_device(num_tokens[rows], device), width, by_score=not sampled)
+        parent_pool = torch.cat(pool_parent, dim=1).gather(1, chosen)  # [R, W]
+        node_of = torch.full((num_rows, pool_size + 1), -1, dtype=torch.int64, device=device).scatter_(
+            1, torch.where(real, chosen, pool_size), torch.arange(width, device=device).expand(num_rows, width))
+        # [R, P + 1] pool index -> node index of the kept candidates (column P: empty slots)
+        parents = torch.where(parent_pool >= 0, node_of.gather(1, parent_pool.clamp(min=0)), -1)
+        draft.parents[rows_t] = torch.where(real, parents, DETACHED)
+        draft.token_ids[rows_t] = torch.cat(pool_tokens, dim=1).gather(1, chosen)
+        if sampled:  # each node's q: its parent's with the siblings drawn before it removed
+            expander = torch.cat(pool_expander, dim=1).gather(1, chosen)  # [R, W]
+            parent_q = torch.cat(expander_q, dim=1).gather(1, expander[..., None].expand(-1, -1, vocab))
+            siblings = torch.cat(expander_children, dim=1).gather(1, expander[..., None].expand(-1, -1, k))  # [R, W, k]
+            place = chosen.remainder(k)  # sibling index: the pool gives each expanded node k consecutive entries
+            earlier = torch.where(torch.arange(k, device=device) < place[..., None], siblings, -1)
+            draft.probs = torch.zeros(batch.num_rows, width, vocab, device=device)
+            draft.probs[rows_t] = sibling_draft_probs(parent_q, earlier)
+        return draft
 
     def _catch_up(self, batch: BatchState, asked: np.ndarray) -> torch.Tensor:
         """Feed every unfinished row the committed tokens its cache lacks (at least the last one
