@@ -26,6 +26,7 @@ from .distributed import tensor_parallel_group
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
+from .sampling import TREE_PROBLEMS
 from .runner import ModelRunner, PackedLayout, models_in_use, resolve_backend, runner_for
 from .stats import GenerationStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
@@ -120,6 +121,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
     policy = (FixedPolicy(4) if drafters else FixedPolicy(0)) if policy is None else policy
     inputs.check_component(verifier, Verifier, "verifier")
     inputs.check_component(policy, Policy, "policy")
+    inputs.check_trees(drafters, verifier, policy.max_draft_tokens)
     if policy.max_draft_tokens > 0 and not drafters:
         raise ValueError(f"{policy!r} drafts tokens but no drafter was given: pass drafter=... or FixedPolicy(0)")
 
@@ -164,6 +166,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
                 verdict, cost = verifier.verify(runner, batch, draft, sampling, logprobs=return_logprobs)
             rows = batch.active_rows()
             host = verdict.to_host(group)  # the step's one synchronisation (rank 0 decides)
+            _raise_on_malformed_trees(host, plan, drafters)
             lengths_before = batch.lengths.copy()
             appended = batch.commit(host)
             for d in drafters:
@@ -205,6 +208,17 @@ def _prefill(runner: ModelRunner, batch: BatchState, device: torch.device) -> No
         token_ids = batch.packed_tokens(rows, starts, counts)
         layout = PackedLayout(rows=rows, starts=starts, counts=counts)
         runner.forward(to_device(token_ids, device), layout, logits_indices=np.zeros(1, dtype=np.int64))
+
+
+def _raise_on_malformed_trees(host, plan: Plan, drafters: list[Drafter]) -> None:
+    """A tree the verifier found malformed (sampling.tree_problems, copied with the verdict):
+    a clear error naming the row and its drafter, before anything is committed."""
+    if host.tree_problems is None or not host.tree_problems.any():
+        return
+    row = int(np.flatnonzero(host.tree_problems)[0])
+    drafter = drafters[plan.drafter_index[row]].describe()
+    raise ValueError(f"row {row}: the token tree from {drafter} is malformed: "
+                     f"{TREE_PROBLEMS[int(host.tree_problems[row])]}")
 
 
 def _checked(plan: Plan, policy: Policy, batch: BatchState, num_drafters: int) -> Plan:

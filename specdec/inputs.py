@@ -245,3 +245,20 @@ def check_target(target) -> tuple[int, torch.device]:
                          "device first (for example from_pretrained(...) without init on meta, or .to_empty() and "
                          "load_state_dict)")
     return vocab_size_of(target), device
+
+
+def check_trees(drafters: list[Drafter], verifier, max_draft_tokens: int) -> None:
+    """A drafter that grows token trees needs a verifier that verifies them, and its node budget
+    (the policy's largest draft length) must fit the attention's ancestor masks."""
+    from .runner import TREE_MASK_BITS
+
+    growing = [f"drafter {i} ({d.describe()})" for i, d in enumerate(drafters) if d.makes_trees]
+    if not growing:
+        return
+    if not getattr(verifier, "verifies_trees", False):
+        raise ValueError(f"{growing[0]} proposes token trees, which {type(verifier).__name__} cannot verify: pass "
+                         "verifier=TreeVerifier()")
+    if max_draft_tokens > TREE_MASK_BITS:
+        raise ValueError(f"{growing[0]} grows trees of up to the policy's {max_draft_tokens} draft tokens, over the "
+                         f"{TREE_MASK_BITS} nodes the attention's ancestor masks hold: use a policy of at most "
+                         f"{TREE_MASK_BITS} tokens")

@@ -361,27 +361,37 @@ def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torc
     return verdict, path
 
 
-def check_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, deterministic: bool) -> None:
-    """Clear errors for a malformed tree: a parent that does not come before its node, and, for
-    children chosen deterministically (q = one-hot), two siblings with the same token."""
+TREE_PROBLEMS = {
+    1: "a node's parent is neither -1 (the root), an earlier node nor -2 (an empty slot)",
+    2: "two siblings carry the same token, which children chosen without probabilities (top-k, a trie, greedy "
+       "decoding) must not",
+    3: "a node hangs under an empty slot (parent -2); an empty slot's children must be empty slots too",
+}
+
+
+def tree_problems(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                  deterministic: bool) -> torch.Tensor:
+    """[R] the TREE_PROBLEMS code of each row's tree (0: sound), on the device, without a host
+    synchronisation: the verifier copies it with the verdict. deterministic: children chosen
+    without probabilities (q one-hot, or greedy decoding), whose siblings must differ."""
     nodes = torch.arange(parents.shape[1], device=parents.device)
-    real = nodes[None, :] < num_nodes[:, None]
-    bad = real & ((parents >= nodes[None, :]) | (parents < DETACHED))
-    if bad.any():
-        row, node = (int(i) for i in torch.nonzero(bad)[0])
-        raise ValueError(f"tree row {row}: node {node} has parent {int(parents[row, node])}; a parent must be -1 (the "
-                         f"root), an earlier node or {DETACHED} (an empty slot)")
+    real = nodes[None, :] < num_nodes[:, None]  # [R, N]
+    bad_parent = (real & ((parents >= nodes[None, :]) | (parents < DETACHED))).any(dim=1)
     detached = parents == DETACHED
-    orphan = real & (parents >= 0) & detached.gather(1, parents.clamp(min=0))
-    if orphan.any():
-        row, node = (int(i) for i in torch.nonzero(orphan)[0])
-        raise ValueError(f"tree row {row}: node {node}'s parent {int(parents[row, node])} is an empty slot "
-                         f"(parent {DETACHED}); its children must be empty slots too")
-    real = real & ~detached
+    orphan = (real & (parents >= 0) & detached.gather(1, parents.clamp(min=0, max=max(parents.shape[1] - 1, 0)))).any(dim=1)
+    code = torch.where(bad_parent, 1, torch.where(orphan, 3, 0))
     if deterministic:
-        pair = (real[:, :, None] & real[:, None, :] & (parents[:, :, None] == parents[:, None, :])
-                & (token_ids[:, :, None] == token_ids[:, None, :]) & (nodes[None, :] < nodes[:, None])[None])
-        if pair.any():
-            row, node, other = (int(i) for i in torch.nonzero(pair)[0])
-            raise ValueError(f"tree row {row}: nodes {other} and {node} are siblings with the same token "
-                             f"{int(token_ids[row, node])}; children chosen without probabilities must be distinct")
+        live = real & ~detached
+        twins = (live[:, :, None] & live[:, None, :] & (parents[:, :, None] == parents[:, None, :])
+                 & (token_ids[:, :, None] == token_ids[:, None, :]) & (nodes[None, :] < nodes[:, None])[None])
+        code = torch.where((code == 0) & twins.flatten(1).any(dim=1), 2, code)
+    return code
+
+
+def check_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, deterministic: bool) -> None:
+    """Raise a clear ValueError for the first malformed row (tree_problems), on the host: for a
+    tree built by hand or in a test; the loop reads tree_problems from the verdict instead."""
+    codes = tree_problems(token_ids, parents, num_nodes, deterministic)
+    if codes.any():
+        row = int(torch.nonzero(codes)[0])
+        raise ValueError(f"tree row {row}: {TREE_PROBLEMS[int(codes[row])]}")

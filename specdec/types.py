@@ -138,12 +138,15 @@ class Verdict:
     num_accepted: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None = None  # [B, K+1] float32: log p of each emitted token, when asked for
     path: torch.Tensor | None = None  # [B, K] int64: a tree draft's accepted nodes in order, -1 beyond (device only)
+    tree_problems: torch.Tensor | None = None  # [B] int64: a malformed tree's sampling.TREE_PROBLEMS code, 0 if none
 
     def to_host(self, group=None) -> "HostVerdict":
         """Copy to the host: the one synchronisation of a decoding step. With a process
         ``group`` (a tensor-parallel target), every rank gets rank 0's verdict. Log-probabilities
         travel in the same transfer, as the bits of their float32 values."""
         parts = [self.token_ids, self.num_emitted[:, None], self.num_accepted[:, None]]
+        if self.tree_problems is not None:
+            parts.append(self.tree_problems[:, None])
         if self.logprobs is not None:
             parts.append(self.logprobs.float().contiguous().view(torch.int32).long())  # [B, K+1]
         packed = torch.cat(parts, dim=1)
@@ -151,13 +154,16 @@ class Verdict:
             from .distributed import broadcast_from_first_rank
 
             packed = broadcast_from_first_rank(packed, group)
-        host = packed.cpu().numpy()  # [B, K+3] or [B, 2K+4], one transfer
+        host = packed.cpu().numpy()  # [B, K+3], + 1 with tree problems, + K+1 with logprobs: one transfer
         width = self.token_ids.shape[1]
-        logprobs = None
+        logprobs = tree_problems = None
+        end = width + 2
+        if self.tree_problems is not None:
+            tree_problems, end = host[:, end], end + 1
         if self.logprobs is not None:
-            logprobs = np.ascontiguousarray(host[:, width + 2 :]).astype(np.int32).view(np.float32)
+            logprobs = np.ascontiguousarray(host[:, end:]).astype(np.int32).view(np.float32)
         return HostVerdict(token_ids=host[:, :width], num_emitted=host[:, width], num_accepted=host[:, width + 1],
-                           logprobs=logprobs)
+                           logprobs=logprobs, tree_problems=tree_problems)
 
 
 @dataclass
@@ -166,6 +172,7 @@ class HostVerdict:
     num_emitted: np.ndarray  # [B]
     num_accepted: np.ndarray  # [B]
     logprobs: np.ndarray | None = None  # [B, K+1] float32
+    tree_problems: np.ndarray | None = None  # [B] int64, 0 where the tree is sound
 
 
 @dataclass

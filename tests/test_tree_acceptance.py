@@ -246,11 +246,17 @@ def test_greedy_walks_the_longest_argmax_path():
 
 def test_malformed_trees_get_clear_errors():
     tokens, count = torch.tensor([[1, 2, 3]]), torch.tensor([3])
-    with pytest.raises(ValueError, match="node 1 has parent 1; a parent must be -1 .the root., an earlier node or -2"):
+    with pytest.raises(ValueError, match="row 0: a node's parent is neither -1 .the root., an earlier node nor -2"):
         check_tree(tokens, torch.tensor([[-1, 1, 0]]), count, deterministic=True)
-    with pytest.raises(ValueError, match="nodes 0 and 1 are siblings with the same token 4"):
+    with pytest.raises(ValueError, match="row 1: a node's parent is neither"):  # a parent below -2
+        check_tree(tokens.repeat(2, 1), torch.tensor([[-1, 0, 0], [-1, -3, 0]]), count.repeat(2), deterministic=False)
+    with pytest.raises(ValueError, match="two siblings carry the same token"):
         check_tree(torch.tensor([[4, 4, 3]]), torch.tensor([[-1, -1, 0]]), count, deterministic=True)
+    with pytest.raises(ValueError, match="hangs under an empty slot"):
+        check_tree(tokens, torch.tensor([[-1, -2, 1]]), count, deterministic=False)
     check_tree(torch.tensor([[4, 4, 3]]), torch.tensor([[-1, -1, 0]]), count, deterministic=False)  # drawn with replacement
+    check_tree(torch.tensor([[4, 4, 3]]), torch.tensor([[-1, -2, 0]]), count, deterministic=True)  # an empty slot's token
+    check_tree(tokens, torch.tensor([[-1, 1, 0]]), torch.tensor([1]), deterministic=True)  # beyond the row's nodes
 
 
 @pytest.mark.parametrize("scheme", ["with", "without", "deterministic"])

@@ -20,7 +20,7 @@ from ..transfer import to_device_many
 
 from ..batch import BatchState
 from ..runner import ModelRunner, PackedLayout
-from ..sampling import chain_verdict, tree_masks, tree_reach, tree_verdict
+from ..sampling import chain_verdict, tree_masks, tree_problems, tree_reach, tree_verdict
 from ..token_rules import apply_token_rules, apply_tree_token_rules, rules_active
 from ..types import PAD_ID, Draft, SamplingParams, Verdict, VerifyCost
 
@@ -49,6 +49,7 @@ class Verifier(ABC):
                 raise ValueError(f"{type(self).__name__} verifies chains; this draft is a token tree (it has parents): "
                                  "pass verifier=TreeVerifier()")
             parents = pick(draft.parents)  # [A, K]
+            problems = tree_problems(draft_ids, parents, num_draft_t, sampling.greedy or draft.probs is None)
             reach = tree_reach(parents, num_draft_t)  # [A, K, K]
             tree = tree_grid(reach, lengths_t)
         target_logits, cost = self.score(runner, batch, rows, chains, num_draft, tree)  # [A, K+1, V]
@@ -63,7 +64,7 @@ class Verifier(ABC):
         else:
             verdict, path = tree_verdict(draft_ids, parents, num_draft_t, target_logits, draft_probs, sampling, seeds_t,
                                          lengths_t, logprobs=logprobs, reach=reach)
-            verdict.path = path
+            verdict.path, verdict.tree_problems = path, problems
             compact_accepted_path(runner, rows_t, lengths_t, path)
         return (verdict if every_row else _scatter_rows(verdict, rows_t, batch.num_rows)), cost
 
@@ -117,11 +118,14 @@ def _scatter_rows(verdict: Verdict, rows: torch.Tensor, num_rows: int) -> Verdic
     if verdict.logprobs is not None:
         logprobs = torch.zeros(num_rows, width, dtype=torch.float32, device=device)
         logprobs[rows] = verdict.logprobs
+    problems = None
     if verdict.path is not None:
         path = torch.full((num_rows, width - 1), -1, dtype=torch.int64, device=device)
         path[rows] = verdict.path
+        problems = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        problems[rows] = verdict.tree_problems
     return Verdict(token_ids=token_ids, num_emitted=num_emitted, num_accepted=num_accepted, logprobs=logprobs,
-                   path=path)
+                   path=path, tree_problems=problems)
 
 
 def chain_layout(batch: BatchState, rows: np.ndarray, chain_lengths: np.ndarray) -> PackedLayout:

@@ -1,0 +1,155 @@
+"""Token trees under greedy decoding: output token-identical to the target's own greedy decoding
+on the exactness grid (architectures, batch 1/3/8, ragged prompts, rows stopping at EOS and at
+max_new_tokens mid-tree); a step's accepted length never falls when nodes are added to its tree;
+malformed trees and impossible settings get clear errors."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import generate
+from specdec.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specdec.drafters.tree import TreeSpec
+from specdec.policies import FixedPolicy
+from specdec.types import PAD_ID, Draft
+from specdec.verifiers import PaddingFreeVerifier, TreeVerifier
+from tests.tiny import ARCHS, AlternatingPolicy, cached_model, device_params, hf_greedy, perturbed_copy, random_prompts
+
+MAX_NEW_TOKENS = 21
+
+
+@functools.lru_cache(maxsize=None)
+def drafter_model(arch, device, dtype):
+    # agrees with the target often, not always: accepted paths run through second and third siblings
+    return perturbed_copy(cached_model(arch, device, dtype), scale=0.4)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch, device, dtype, prompt: tuple, eos_token_id):
+    return hf_greedy(cached_model(arch, device, dtype), list(prompt), MAX_NEW_TOKENS, eos_token_id)
+
+
+def make_drafter(kind, arch, device, dtype):
+    if kind == "model tree":
+        return ModelDrafter(drafter_model(arch, device, dtype), tree=TreeSpec(depth=4, branching=3))
+    if kind == "lookup trie":
+        return PromptLookupDrafter(tree=TreeSpec(depth=5, branching=3))
+    return [ModelDrafter(drafter_model(arch, device, dtype), tree=TreeSpec(depth=3, branching=2)),
+            PromptLookupDrafter()]  # trees and chains in one pass
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("budget", [2, 9])
+@pytest.mark.parametrize("kind", ["model tree", "lookup trie", "tree and chain rows"])
+def test_greedy_tree_output_equals_target_greedy(kind, budget, batch_size, arch, device, dtype):
+    target = cached_model(arch, device, dtype)
+    prompts = random_prompts(batch_size, target.config.vocab_size, seed=batch_size)
+    eos = reference(arch, device, dtype, tuple(prompts[0]), None)[7]  # the first row stops early
+    expected = [reference(arch, device, dtype, tuple(p), eos) for p in prompts]
+    policy = AlternatingPolicy(budget) if kind == "tree and chain rows" else FixedPolicy(budget)
+    out = generate(target, prompts, drafter=make_drafter(kind, arch, device, dtype), verifier=TreeVerifier(),
+                   policy=policy, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos)
+    assert out.sequences == expected
+    assert [r.emitted for r in out.stats.requests] == [len(s) for s in expected]
+    assert out.stats.drafted > 0
+
+
+def test_chains_through_the_tree_verifier_equal_the_padding_free_verifier():
+    target = cached_model("llama", "cpu", torch.float64)
+    prompts = random_prompts(5, 96, seed=2)
+    drafter = ModelDrafter(drafter_model("llama", "cpu", torch.float64))
+    runs = [generate(target, prompts, drafter=drafter, verifier=v, policy=FixedPolicy(4), max_new_tokens=16)
+            for v in (TreeVerifier(), PaddingFreeVerifier())]
+    assert runs[0].sequences == runs[1].sequences
+    assert runs[0].stats.accepted_by_position == runs[1].stats.accepted_by_position
+
+
+class RecordingPolicy(FixedPolicy):
+    def __init__(self, k):
+        super().__init__(k)
+        self.records = []
+
+    def observe(self, record):
+        self.records.append(record)
+
+
+def test_adding_nodes_never_lowers_a_steps_accepted_length():
+    """At temperature 0 a budget of b + 1 nodes keeps the b nodes of the budget-b tree (the best
+    by cumulative log-probability) and adds one, so every row's first step accepts at least as
+    many tokens, over 24 contexts of the target's own output. A node that sees keys it should not
+    (later nodes, siblings: the class of bug in which extra nodes disturb the others) breaks it;
+    a wrong compaction shows in the identity grid above instead."""
+    target = cached_model("qwen2", "cpu", torch.float64)
+    drafter = ModelDrafter(drafter_model("qwen2", "cpu", torch.float64), tree=TreeSpec(depth=4, branching=3))
+    prompts = random_prompts(4, 96, seed=5)
+    contexts = [p + reference("qwen2", "cpu", torch.float64, tuple(p), None)[:cut] for p in prompts for cut in range(0, 18, 3)]
+    accepted = []
+    for budget in range(1, 13):
+        policy = RecordingPolicy(budget)
+        generate(target, contexts, drafter=drafter, verifier=TreeVerifier(), policy=policy, max_new_tokens=5)
+        accepted.append(policy.records[0].num_accepted)
+    accepted = np.array(accepted)  # [budget, context]
+    assert np.all(np.diff(accepted, axis=0) >= 0)
+    assert accepted[-1].mean() > accepted[0].mean()  # the extra nodes were accepted somewhere
+
+
+class HandMadeTreeDrafter(Drafter):
+    """Proposes one fixed tree for every row."""
+
+    def __init__(self, tokens, parents, probs=None):
+        self.tokens, self.parents, self.probs = tokens, parents, probs
+        self.tree = TreeSpec(depth=len(tokens), branching=1)
+
+    def propose(self, batch, num_tokens):
+        rows = batch.num_rows
+        count = len(self.tokens)
+        return Draft(token_ids=torch.tensor([self.tokens] * rows), num_tokens=np.full(rows, count),
+                     parents=torch.tensor([self.parents] * rows), depths=np.full(rows, count),
+                     probs=None if self.probs is None else self.probs.expand(rows, -1, -1))
+
+
+@pytest.mark.parametrize("tokens,parents,message", [
+    ([5, 5, 6], [-1, -1, 0], "two siblings carry the same token"),
+    ([5, 6, 7], [-1, 2, 0], "a node's parent is neither -1 .the root., an earlier node nor -2"),
+    ([5, 6, 7], [-1, -2, 1], "a node hangs under an empty slot"),
+])
+def test_a_malformed_tree_from_a_drafter_is_a_clear_error(tokens, parents, message):
+    target = cached_model("llama", "cpu", torch.float64)
+    with pytest.raises(ValueError, match=f"row 0: the token tree from HandMadeTreeDrafter is malformed: {message}"):
+        generate(target, [[1, 2, 3], [4, 5]], drafter=HandMadeTreeDrafter(tokens, parents), verifier=TreeVerifier(),
+                 policy=FixedPolicy(3), max_new_tokens=8)
+
+
+def test_siblings_drawn_with_replacement_may_repeat_a_token():
+    from specdec import SamplingParams
+
+    target = cached_model("llama", "cpu", torch.float64)
+    probs = torch.full((1, 3, 96), 1 / 96, dtype=torch.float32)
+    out = generate(target, [[1, 2, 3]], drafter=HandMadeTreeDrafter([5, 5, 6], [-1, -1, 0], probs),
+                   verifier=TreeVerifier(), policy=FixedPolicy(3), max_new_tokens=8,
+                   sampling=SamplingParams(temperature=1.0))
+    assert len(out.sequences[0]) == 8
+
+
+def test_impossible_tree_settings_are_refused_up_front():
+    target = cached_model("llama", "cpu", torch.float64)
+    drafter = ModelDrafter(drafter_model("llama", "cpu", torch.float64), tree=TreeSpec(depth=3, branching=2))
+    with pytest.raises(ValueError, match="proposes token trees, which PaddingFreeVerifier cannot verify: pass "
+                                         "verifier=TreeVerifier"):
+        generate(target, [[1, 2]], drafter=drafter, policy=FixedPolicy(4), max_new_tokens=4)
+    with pytest.raises(ValueError, match="grows trees of up to the policy's 65 draft tokens, over the 64 nodes"):
+        generate(target, [[1, 2]], drafter=drafter, verifier=TreeVerifier(), policy=FixedPolicy(65), max_new_tokens=4)
+    with pytest.raises(ValueError, match="feeds 66 nodes a row, over the attention's 64-bit ancestor masks"):
+        TreeSpec(depth=12, branching=6)
+    with pytest.raises(ValueError, match="depth >= 1 and branching >= 1"):
+        TreeSpec(depth=0, branching=2)
+    with pytest.raises(TypeError, match="tree must be a TreeSpec"):
+        ModelDrafter(target, tree=(3, 2))
+    with pytest.raises(TypeError, match="tree must be a TreeSpec"):
+        PromptLookupDrafter(tree={"depth": 3})
