@@ -8,6 +8,7 @@
 #   tests     python -m pytest -m cuda (2-5 min; two-GPU tests run where two GPUs are seen)
 #   quick     python -m specdec bench --quick (the zoo against Hugging Face and the bandwidth floor, ~4 min)
 #   bench     python -m specdec bench (the same, every batch size, ~7 min)
+#   trees     python -m specdec bench --parts trees (chains against token trees, batch $BATCH_SIZES, default 1,4,16,64)
 #   policies  python -m specdec bench --policies --batch-sizes $BATCH_SIZES (default 16) with $POLICY_ARGS
 #   demo      python -m specdec demo --preset gpu --device cuda
 # The gpu zoo is built first when a part needs it (~3 min). Everything is written under a work
@@ -29,13 +30,15 @@ TAG=${TAG:-gpu}
 if has tests; then
   timeout 480 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$WORK/cuda_tests.log" | tail -25; pack
 fi
-if has quick || has bench || has policies || has demo; then
+if has quick || has bench || has trees || has policies || has demo; then
   timeout 300 python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$WORK/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$WORK/zoo_gpu_manifest_$TAG.json"; pack
 fi
 has quick && { python3 -m specdec bench --quick --out "$WORK" 2>&1 | tee "$WORK/bench_quick.log" | quiet | tail -30; pack; }
 has bench && { python3 -m specdec bench --out "$WORK" 2>&1 | tee "$WORK/bench.log" | quiet | tail -40; pack; }
+has trees && { timeout ${TREES_TIMEOUT:-540} python3 -m specdec bench --parts trees --no-peers --batch-sizes "${BATCH_SIZES:-1,4,16,64}" \
+  --out "$WORK" 2>&1 | tee "$WORK/trees.log" | quiet | tail -60; pack; }
 has policies && { python3 -m specdec bench --policies --preset gpu --device cuda --batch-sizes "${BATCH_SIZES:-16}" \
   ${POLICY_ARGS:---num-prompts 16 --history-prompts 8 --pass-calls 2 --repeats 3 --time-limit-s 300} \
   --name "policies_$TAG" --out "$WORK" 2>&1 | tee "$WORK/policies.log" | quiet | tail -30; pack; }

@@ -1,7 +1,7 @@
 """Command line.
 
     python -m specdec demo [--preset cpu|gpu] [--device cuda] [--json FILE] [--prompts FILE]
-    python -m specdec bench [--quick] [--parts zoo,bandwidth] [--preset gpu] [--out benchmarks/results]
+    python -m specdec bench [--quick] [--parts zoo,bandwidth,trees] [--preset gpu] [--out benchmarks/results]
     python -m specdec bench --policies [--quick] [--preset gpu] [--time-limit-s S] [--out benchmarks/results]
     python -m specdec zoo build --preset cpu|gpu|tiny [--out DIR] [--force]
     python -m specdec zoo prompts --preset cpu --out prompts.jsonl [--count N] [--tokens T]
@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-peers", action="store_true", help="skip the Hugging Face baselines")
     bench.add_argument("--no-compile", action="store_true", help="ours without torch.compile inside the graphs")
     bench.add_argument("--parts", default="zoo,bandwidth",
-                       help="zoo (the model zoo against the peers), bandwidth (1B/8B step times); comma-separated")
+                       help="zoo (the model zoo against the peers), bandwidth (1B/8B step times), trees (one "
+                            "drafter as chains and token trees, greedy and T=0.8); comma-separated")
     bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and PNG")
     bench.add_argument("--zoo-dir")
     bench.add_argument("--policies", action="store_true",

@@ -17,7 +17,8 @@ from specdec.drafters.tree import TreeSpec
 from specdec.policies import FixedPolicy
 from specdec.types import PAD_ID, Draft
 from specdec.verifiers import PaddingFreeVerifier, TreeVerifier
-from tests.tiny import ARCHS, AlternatingPolicy, cached_model, device_params, hf_greedy, perturbed_copy, random_prompts
+from tests.tiny import (ARCHS, AlternatingPolicy, cached_model, device_params, hf_greedy, make_model, perturbed_copy,
+                        random_prompts)
 
 MAX_NEW_TOKENS = 21
 
@@ -153,3 +154,22 @@ def test_impossible_tree_settings_are_refused_up_front():
         ModelDrafter(target, tree=(3, 2))
     with pytest.raises(TypeError, match="tree must be a TreeSpec"):
         PromptLookupDrafter(tree={"depth": 3})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_trees_inside_cuda_graphs_equal_target_greedy(compile):
+    """Tree verification and the drafter's tree expansion replay captured graphs (a static node
+    budget), with the fast kernel, and the output is still the target's own greedy decoding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    target = make_model("llama", device="cuda", dtype=torch.float32)  # the cached model's weights, fresh runners
+    prompts = random_prompts(6, 96, seed=4)
+    expected = [reference("llama", "cuda", torch.float32, tuple(p), None) for p in prompts]
+    drafter = ModelDrafter(drafter_model("llama", "cuda", torch.float32), tree=TreeSpec(depth=4, branching=3),
+                           cuda_graphs=True, compile=compile)
+    out = generate(target, prompts, drafter=drafter, verifier=TreeVerifier(), policy=FixedPolicy(12),
+                   max_new_tokens=MAX_NEW_TOKENS, cuda_graphs=True, compile=compile)
+    assert out.sequences == expected
+    runner = target.__dict__["_specdec_runners"]["target"]
+    assert runner.eager_passes <= 1 and runner.graph_passes >= out.stats.steps  # the prefill at most ran eagerly

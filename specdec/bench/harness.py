@@ -72,9 +72,11 @@ def synchronise(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _ours(target, prompts, batch, drafter, k, settings, eos, graphs, compiled) -> tuple[list[list[int]], float, float]:
-    kwargs = dict(drafter=drafter, verifier=PaddingFreeVerifier(), policy=FixedPolicy(k),
-                  max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs, compile=compiled)
+def _ours(target, prompts, batch, drafter, k, settings, eos, graphs, compiled, verifier=None,
+          sampling=None) -> tuple[list[list[int]], float, float]:
+    kwargs = dict(drafter=drafter, verifier=verifier or PaddingFreeVerifier(), policy=FixedPolicy(k),
+                  max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs, compile=compiled,
+                  sampling=sampling)
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     # warm up on the call with the longest prompt: it sizes the caches and graphs, so nothing is
     # allocated or captured inside the timed window
@@ -96,12 +98,17 @@ def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
     """Every part the settings name, in one process; one result dictionary. ``checkpoint`` (if
     given) receives the partial result after every measurement, so a run cut short keeps them."""
     save = checkpoint or (lambda partial: None)
-    unknown = set(settings.parts) - {"zoo", "bandwidth"}
+    unknown = set(settings.parts) - {"zoo", "bandwidth", "trees"}
     if unknown:
-        raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth")
+        raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth, trees")
     result = {"environment": environment(settings.device), "settings": asdict(settings), "rows": []}
     if "zoo" in settings.parts:
         result.update(run_zoo(settings, log, lambda zoo_part: save({**result, **zoo_part})))
+        save(result)
+    if "trees" in settings.parts:
+        from .trees import run_trees
+
+        result["trees"] = run_trees(settings, log, lambda rows: save({**result, "trees": rows}))
         save(result)
     if "bandwidth" in settings.parts:
         if settings.device.startswith("cuda"):
@@ -114,16 +121,26 @@ def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
     return result
 
 
-def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
-    """specdec and the peers on the model zoo -> {"zoo": manifest models, "rows": [...]}."""
+def zoo_and_prompts(settings: BenchSettings):
+    """The built zoo in the bench's dtype and its held-out prompts, as token ids."""
     build(settings.preset, out=settings.zoo_dir, device=settings.device)
     dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if settings.device.startswith("cuda") else "float32")
     zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device, dtype=getattr(torch, dtype))
-    tokenizer, target, eos = zoo.tokenizer, zoo.target, zoo.tokenizer.eos_token_id
-    records = heldout_prompts(zoo.heldout_texts(), tokenizer, settings.num_prompts, settings.prompt_tokens)
-    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
+    records = heldout_prompts(zoo.heldout_texts(), zoo.tokenizer, settings.num_prompts, settings.prompt_tokens)
+    return zoo, [zoo.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
+
+
+def graph_options(settings: BenchSettings) -> tuple[bool, bool]:
+    """(cuda_graphs, compile) for our methods: graphs on CUDA, compiled unless turned off."""
     graphs = settings.device.startswith("cuda")
-    compiled = graphs if settings.compile is None else (settings.compile and graphs)  # compile needs graphs
+    return graphs, graphs if settings.compile is None else (settings.compile and graphs)  # compile needs graphs
+
+
+def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
+    """specdec and the peers on the model zoo -> {"zoo": manifest models, "rows": [...]}."""
+    zoo, prompts = zoo_and_prompts(settings)
+    target, eos = zoo.target, zoo.tokenizer.eos_token_id
+    graphs, compiled = graph_options(settings)
     drafters = {"prompt lookup": PromptLookupDrafter()}
     drafters.update({name: ModelDrafter(model, cuda_graphs=graphs, compile=compiled) for name, model in zoo.drafters.items()})
     smallest = min(zoo.drafters, key=lambda n: zoo.manifest["models"][n]["parameters"]) if zoo.drafters else None

@@ -8,7 +8,39 @@ from pathlib import Path
 
 
 def markdown(result: dict) -> str:
-    return "\n".join([_zoo_table(result), _bandwidth_table(result), _targets_table(result)])
+    parts = [_zoo_table(result)] if result.get("rows") or "trees" not in result else []
+    return "\n".join(parts + [_trees_table(result), _bandwidth_table(result), _targets_table(result)])
+
+
+def _trees_table(result: dict) -> str:
+    part = result.get("trees")
+    if not part:
+        return ""
+    env = result["environment"]
+    lines = [f"Command: `{env['command']}` at commit `{env['commit'][:12]}`, {env['time']}; "
+             f"{env.get('gpu', env.get('cpu', '?'))}. Drafter {part['drafter']}, trees of depth "
+             f"{part['spec']['depth']} and branching {part['spec']['branching']}; ratios to the best chain "
+             "of the same temperature and batch.", "",
+             "| T | batch | method | tau | tok/s | tau / best chain | tok/s / best chain | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = part["rows"]
+    for row in rows:
+        if row["error"]:
+            lines.append(f"| {row['temperature']} | {row['batch']} | {row['method']} | failed: {row['error'][:80]} "
+                         "| | | | |")
+            continue
+        chains = [r for r in rows if r["shape"] == "chain" and r["temperature"] == row["temperature"]
+                  and r["batch"] == row["batch"] and not r["error"]]
+        tau_ratio = f"{row['tau'] / max(r['tau'] for r in chains):.2f}" if chains else "-"
+        speed_ratio = f"{row['tokens_per_s'] / max(r['tokens_per_s'] for r in chains):.2f}" if chains else "-"
+        identical = {True: "yes", False: "no", None: "-"}[row["identical"]]
+        lines.append(f"| {row['temperature']} | {row['batch']} | {row['method']} | {row['tau']:.2f} | "
+                     f"{row['tokens_per_s']:.0f} | {tau_ratio} | {speed_ratio} | {identical} |")
+    lines += ["", "| target | value | detail | met |", "|---|---|---|---|"]
+    for target in part.get("targets", []):
+        met = {True: "yes", False: "no", None: "(report)"}[target["met"]]
+        lines.append(f"| {target['target']} | {target['value']} | {target['detail']} | {met} |")
+    return "\n".join(lines) + "\n"
 
 
 def _zoo_table(result: dict) -> str:
