@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--parts", default="zoo,bandwidth",
                        help="zoo (the model zoo against the peers), bandwidth (1B/8B step times), trees (one "
                             "drafter as chains and token trees, greedy and T=0.8); comma-separated")
+    bench.add_argument("--temperatures", default="0,0.8", help="the trees part's temperatures (0: greedy)")
     bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and PNG")
     bench.add_argument("--zoo-dir")
     bench.add_argument("--policies", action="store_true",
@@ -80,7 +81,8 @@ def _bench(args) -> int:
                              max_new_tokens=args.max_new_tokens, peers=not args.no_peers, dtype=args.dtype,
                              zoo_dir=args.zoo_dir, compile=False if args.no_compile else None,
                              parts=tuple(args.parts.split(",")),
-                             batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")))
+                             batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
+                             tree_temperatures=tuple(float(t) for t in args.temperatures.split(",")))
     if args.quick:
         settings.batch_sizes, settings.num_prompts, settings.batch1_prompts = (1, 16), 16, 4
         settings.max_new_tokens = min(settings.max_new_tokens, 64)

@@ -219,7 +219,8 @@ def tree_accept_uniforms(parents: torch.Tensor, num_nodes: torch.Tensor, seeds: 
 
 
 def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_scores: torch.Tensor,
-              draft_probs: torch.Tensor | None, params: SamplingParams, accept_u: torch.Tensor | None):
+              draft_probs: torch.Tensor | None, params: SamplingParams, accept_u: torch.Tensor | None,
+              max_tried: int | None = None):
     """Walk every row's tree from the root: try the children of the current node in order, descend
     into the first one accepted, stop where none is.
 
@@ -239,7 +240,9 @@ def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.T
     (ignored when greedy) -> (path [R, N] accepted nodes in order, -1 beyond; num_accepted [R];
     final_slot [R] the slot the last token is drawn at; residual [R, V] unnormalised distribution to
     draw it from, None when greedy; accept_probs [R, N] each tried node's probability of acceptance,
-    NaN for nodes not tried). At most N + 1 rounds of tensor operations, no host synchronisation.
+    NaN for nodes not tried). max_tried: a bound on the nodes one walk can try (a tree of depth D
+    with at most C children a node tries at most D * C), when the caller knows one. One round of
+    tensor operations per node tried (N + 1 rounds without a bound), no host synchronisation.
     """
     num_rows, num_tree = token_ids.shape
     device = token_ids.device
@@ -254,7 +257,8 @@ def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.T
     accept_probs = torch.full((num_rows, num_tree), float("nan"), dtype=torch.float64, device=device)
     residual = None if greedy else target_scores[:, 0].double()  # [R, V]
     residual_mass = torch.ones(num_rows, dtype=torch.float64, device=device)  # sum of residual (p: taken as 1)
-    for _ in range(num_tree + 1):
+    rounds = num_tree + 1 if max_tried is None else min(num_tree, max_tried) + 1  # the last finds no child
+    for _ in range(rounds):
         candidates = ((parents == current[:, None]) & (nodes[None, :] >= start[:, None])
                       & (nodes[None, :] < num_nodes[:, None]) & ~done[:, None])  # [R, N]
         has_child = candidates.any(dim=1)
@@ -322,13 +326,14 @@ def greedy_tree_path(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: 
 def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_logits: torch.Tensor,
                  draft_probs: torch.Tensor | None, params: SamplingParams, seeds: torch.Tensor,
                  first_positions: torch.Tensor, logprobs: bool = False,
-                 reach: torch.Tensor | None = None) -> tuple[Verdict, torch.Tensor]:
+                 reach: torch.Tensor | None = None, max_tried: int | None = None) -> tuple[Verdict, torch.Tensor]:
     """The tree acceptance rule for every row at once (greedy_tree_path, walk_tree), with keyed
     randomness.
 
     token_ids, parents: [R, N] (PAD_ID / anything beyond num_nodes [R]); target_logits:
     [R, N + 1, V]; draft_probs: [R, N, V] or None (children chosen deterministically); seeds,
-    first_positions: [R]; reach: tree_reach when the caller has it -> (Verdict with token_ids
+    first_positions: [R]; reach: tree_reach when the caller has it; max_tried: as for walk_tree
+    -> (Verdict with token_ids
     [R, N + 1]: the accepted path's tokens, then the recovered or bonus token, and with their
     log-probabilities when ``logprobs``; path [R, N]: the accepted nodes, for the cache to keep).
     A chain (parents [-1, 0, 1, ...]) gets exactly chain_verdict's verdict. Trees are checked
@@ -341,7 +346,7 @@ def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torc
         scores = process_logits(target_logits, params)  # [R, N + 1, V]
         accept_u = tree_accept_uniforms(parents, num_nodes, seeds, first_positions)
         path, num_accepted, final_slot, residual, _ = walk_tree(token_ids, parents, num_nodes, scores, draft_probs,
-                                                               params, accept_u)
+                                                               params, accept_u, max_tried)
     rows = torch.arange(token_ids.shape[0], device=token_ids.device)
     if params.greedy:
         last = target_logits[rows, final_slot].argmax(dim=-1)

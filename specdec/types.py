@@ -90,7 +90,8 @@ class Draft:
     and the siblings drawn before it (for siblings drawn without replacement: the parent's
     distribution with the earlier siblings removed, renormalised); it is ``None`` for point-mass
     proposals (prompt lookup, greedy or top-k children), which the acceptance rule treats as
-    one-hot. ``depths`` [B] (host) is each row's tree depth as built (a chain's: its length).
+    one-hot. ``depths`` [B] (host) is each row's tree depth as built (a chain's: its length);
+    ``max_children`` bounds the work of the sampling rule (sampling.walk_tree).
     """
 
     token_ids: torch.Tensor  # [B, K] int64, PAD_ID beyond num_tokens
@@ -98,6 +99,8 @@ class Draft:
     probs: torch.Tensor | None = None  # [B, K, V] float32
     parents: torch.Tensor | None = None  # [B, K] int64, -1 for children of the root
     depths: np.ndarray | None = None  # [B] int64, host-side; None for chains (num_tokens)
+    max_children: int | None = None  # host: the most children one node has (None: unknown)
+    well_formed: bool = False  # built by specdec's own tree builders, so the verifier need not check it
 
     @property
     def max_tokens(self) -> int:
@@ -122,7 +125,8 @@ class Draft:
         non_blocking = device.type == "cuda"
         move = lambda tensor: None if tensor is None else tensor.to(device, non_blocking=non_blocking)  # noqa: E731
         return Draft(token_ids=move(self.token_ids), num_tokens=self.num_tokens, probs=move(self.probs),
-                     parents=move(self.parents), depths=self.depths)
+                     parents=move(self.parents), depths=self.depths, max_children=self.max_children,
+                     well_formed=self.well_formed)
 
 
 @dataclass

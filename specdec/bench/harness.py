@@ -65,6 +65,7 @@ class BenchSettings:
     repeats: int = 3  # timed passes of each of our methods and of HF static (median); slow HF peers: one
     parts: tuple[str, ...] = ("zoo", "bandwidth")  # bandwidth: random 1B/8B Llama step times (CUDA only)
     bandwidth_shapes: tuple[str, ...] = ("llama-1B", "llama-8B")
+    tree_temperatures: tuple[float, ...] = (0.0, 0.8)  # the trees part: greedy and sampled
 
 
 def synchronise(device: str) -> None:

@@ -25,7 +25,6 @@ TREE_DRAFTER = "drafter-4L-narrow"  # the zoo drafter with the best chains (BENC
 CHAIN_LENGTHS = (4, 6)
 TREE_BUDGETS = (16, 32, 64)
 TREE_SPEC = TreeSpec(depth=6, branching=4)  # pool of 84 candidates; 20 nodes fed to the drafter a row
-TEMPERATURES = (0.0, 0.8)
 
 
 def run_trees(settings: BenchSettings, log=print, progress=None) -> dict:
@@ -40,24 +39,25 @@ def run_trees(settings: BenchSettings, log=print, progress=None) -> dict:
     result = {"drafter": name, "spec": {"depth": TREE_SPEC.depth, "branching": TREE_SPEC.branching}, "rows": rows}
 
     def methods(temperature: float):
-        yield "plain decoding", "plain", 0, None, None, PaddingFreeVerifier()
-        for k in CHAIN_LENGTHS:
-            yield f"chain k={k}", "chain", k, None, ModelDrafter(model, cuda_graphs=graphs, compile=compiled), \
-                PaddingFreeVerifier()
+        """The largest tree first: its runners (caches, captured graphs) cover every later method."""
         kinds = [True] if temperature == 0 else [True, False]
-        for budget in sorted(TREE_BUDGETS, reverse=True):  # the largest first: its runners serve the rest
+        for budget in sorted(TREE_BUDGETS, reverse=True):
             for sampled in kinds:
                 spec = TreeSpec(TREE_SPEC.depth, TREE_SPEC.branching, sampled=sampled)
                 children = "sampled" if sampled else "top-k"
                 label = f"tree {budget}" + ("" if temperature == 0 else f" ({children} children)")
                 yield label, "tree", budget, children, ModelDrafter(model, cuda_graphs=graphs, compile=compiled,
                                                                      tree=spec), TreeVerifier()
+        for k in sorted(CHAIN_LENGTHS, reverse=True):
+            yield f"chain k={k}", "chain", k, None, ModelDrafter(model, cuda_graphs=graphs, compile=compiled), \
+                PaddingFreeVerifier()
+        yield "plain decoding", "plain", 0, None, None, PaddingFreeVerifier()
 
-    for temperature in TEMPERATURES:
+    for temperature in settings.tree_temperatures:
         sampling = SamplingParams(temperature=temperature)
         for batch in sorted(settings.batch_sizes, reverse=True):
             chosen = prompts[: settings.batch1_prompts] if batch == 1 else prompts[: max(batch, settings.num_prompts)]
-            plain = None
+            outputs = {}
             for method, shape, size, children, drafter, verifier in methods(temperature):
                 started = time.perf_counter()
                 row = dict(method=method, shape=shape, size=size, children=children, temperature=temperature,
@@ -66,23 +66,24 @@ def run_trees(settings: BenchSettings, log=print, progress=None) -> dict:
                 try:
                     out, seconds, tau = _ours(target, chosen, batch, drafter, size, settings, eos, graphs, compiled,
                                               verifier=verifier, sampling=sampling)
+                    outputs[method] = out
+                    row.update(tokens=sum(map(len, out)), seconds=seconds, tokens_per_s=sum(map(len, out)) / seconds,
+                               tau=tau)
                 except Exception as error:  # noqa: BLE001 - reported in the results, not swallowed
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                    out = None
-                if out is not None:
-                    tokens = sum(map(len, out))
-                    row.update(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, tau=tau)
-                    if shape == "plain":
-                        plain = out
-                    elif temperature == 0 and plain is not None:
-                        row.update(identical=out == plain, agreement=agreement(out, plain))
                 rows.append(row)
-                if progress is not None:
-                    progress(result)
                 log(f"trees T={temperature} batch {batch:>3} {method:<32} "
                     + (f"FAILED {row['error']}" if row["error"] else
-                       f"{row['tokens_per_s']:10.1f} tok/s, tau {row['tau']:.2f}, identical {row['identical']}")
+                       f"{row['tokens_per_s']:10.1f} tok/s, tau {row['tau']:.2f}")
                     + f" ({time.perf_counter() - started:.0f} s)")
+            plain = outputs.get("plain decoding")
+            if temperature == 0 and plain is not None:  # greedy: each output against plain decoding's
+                for row in rows[-len(list(methods(temperature))):]:
+                    if row["method"] in outputs and row["shape"] != "plain":
+                        row.update(identical=outputs[row["method"]] == plain,
+                                   agreement=agreement(outputs[row["method"]], plain))
+            if progress is not None:
+                progress(result)
     result["targets"] = tree_targets(rows)
     return result
 

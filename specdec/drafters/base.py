@@ -104,8 +104,10 @@ def merge_drafts(drafts: list[Draft], owner: np.ndarray, vocab_size: int) -> Dra
                 one_hot_ids = draft.token_ids.clamp(min=0)
                 draft_probs = torch.nn.functional.one_hot(one_hot_ids, vocab_size).float()
             probs[:, :width] = torch.where(mine[:, None, None], draft_probs, probs[:, :width])
+    children = [1 if not d.is_tree else d.max_children for d in drafts]
     return Draft(token_ids=token_ids, num_tokens=num_tokens, probs=probs, parents=parents,
-                 depths=depths if trees else None)
+                 depths=depths if trees else None, max_children=None if None in children else max(children),
+                 well_formed=all(d.well_formed or not d.is_tree for d in drafts))
 
 
 def chain_parents(num_rows: int, width: int, device) -> torch.Tensor:

@@ -177,4 +177,5 @@ class PromptLookupDrafter(Drafter):
                 node_depth[node] = 1 if parent < 0 else node_depth[parent] + 1
             depths[row] = node_depth.max(initial=0)
         return Draft(token_ids=to_device(token_ids, self._device), num_tokens=counts,
-                     parents=to_device(parents, self._device), depths=depths)
+                     parents=to_device(parents, self._device), depths=depths, max_children=self.tree.branching,
+                     well_formed=True)

@@ -90,8 +90,9 @@ class ModelDrafter(Drafter):
     def _start(self, batch: BatchState, sampling: SamplingParams, max_draft_tokens: int) -> None:
         self.sampling = sampling
         # catch-up passes carry one or two tokens per row after the first step; single-token steps
-        # one; a tree's expansion passes ``branching`` a row
-        group = 2 if self.tree is None else max(2, self.tree.branching)
+        # one; a tree's expansion passes ``branching`` a row, and after a tree step the catch-up
+        # feeds the accepted path and the new token (the fed nodes are not kept): up to depth + 1
+        group = 2 if self.tree is None else max(2, self.tree.branching, self.tree.depth + 1)
         graph_shape = (group, group * batch.num_rows) if self.cuda_graphs else None
         self.runner_role = _free_drafter_role(self.model)
         self._runner = runner_for(self.model, role=self.runner_role, max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft_tokens + 1,
@@ -176,7 +177,8 @@ class ModelDrafter(Drafter):
         draft = Draft(token_ids=torch.full((batch.num_rows, width), PAD_ID, dtype=torch.int64, device=device),
                       num_tokens=num_tokens.copy(), parents=torch.full((batch.num_rows, width), DETACHED,
                                                                         dtype=torch.int64, device=device),
-                      depths=np.minimum(np.minimum(spec.depth, num_tokens), np.maximum(batch.remaining - 1, 0)))
+                      depths=np.minimum(np.minimum(spec.depth, num_tokens), np.maximum(batch.remaining - 1, 0)),
+                      max_children=spec.branching, well_formed=True)
         rows = np.flatnonzero(num_tokens > 0)
         if len(rows) == 0:
             return draft
@@ -196,37 +198,41 @@ class ModelDrafter(Drafter):
         expander_q, expander_children = [q], [kids.tokens]  # per expanded node: its q and its children
         pool_tokens, pool_scores = [kids.tokens[:, 0]], [kids.log_probs[:, 0]]  # [R, k] level 1
         pool_parent = [torch.full((num_rows, k), -1, dtype=torch.int64, device=device)]
-        pool_expander = [torch.zeros(num_rows, k, dtype=torch.int64, device=device)]
-        pool_level = [np.ones(k, dtype=np.int64)]
         frontier = torch.arange(k, device=device).expand(num_rows, k)  # pool indices of the nodes to feed
-        frontier_scores = kids.log_probs[:, 0]
+        frontier_tokens, frontier_scores = kids.tokens[:, 0], kids.log_probs[:, 0]  # [R, k] each
         slots = torch.arange(k, device=device)
         masks = (torch.ones(k, dtype=torch.int64, device=device) << slots).expand(num_rows, k)  # [R, k]
+        root_positions = lengths.repeat_interleave(k)  # [R * k]: the root children's position
         pool_size = k
         for level in range(2, max_depth + 1):
             fed = (level - 2) * k  # the frontier's first tree slot
             layout = PackedLayout(rows=rows, starts=batch.lengths[rows] + fed, counts=np.full(num_rows, k))
-            tree = TreeLayout(positions=(lengths[:, None] + level - 2).expand(num_rows, k).reshape(-1),
-                              masks=masks.reshape(-1), tree_starts=batch.lengths[rows])
-            tokens = torch.cat(pool_tokens, dim=1).gather(1, frontier)  # [R, k]
-            q = distribution(runner.forward(tokens.reshape(-1), layout, tree=tree).view(num_rows, k, vocab))
+            tree = TreeLayout(positions=root_positions + (level - 2), masks=masks.reshape(-1),
+                              tree_starts=batch.lengths[rows])
+            q = distribution(runner.forward(frontier_tokens.reshape(-1), layout, tree=tree).view(num_rows, k, vocab))
             kids = choose_children(q, k, sampled, seeds, lengths + level - 1)  # [R, k, k]
             expander_q.append(q)
             expander_children.append(kids.tokens)
             scores = (frontier_scores[:, :, None] + kids.log_probs).reshape(num_rows, k * k)
-            pool_tokens.append(kids.tokens.reshape(num_rows, k * k))
+            level_tokens = kids.tokens.reshape(num_rows, k * k)
+            pool_tokens.append(level_tokens)
             pool_scores.append(scores)
             pool_parent.append(frontier.repeat_interleave(k, dim=1))
-            pool_expander.append((1 + fed + slots).repeat_interleave(k).expand(num_rows, k * k))
-            pool_level.append(np.full(k * k, level, dtype=np.int64))
             if level < max_depth:  # the next frontier: this level's best k (ties: earlier first)
                 best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [R, k]
                 masks = masks.gather(1, best // k) | (torch.ones_like(best) << (fed + k + slots))
-                frontier, frontier_scores = pool_size + best, scores.gather(1, best)
+                frontier, frontier_scores, frontier_tokens = pool_size + best, scores.gather(1, best), \
+                    level_tokens.gather(1, best)
             pool_size += k * k
+        # host-side pool layout: each candidate's level, and the expanded node whose child it is
+        # (0 the root, 1 + i the i-th fed node): k at level 1, k * k at each later level
+        pool_level = np.concatenate([np.ones(k, dtype=np.int64)]
+                                    + [np.full(k * k, level, dtype=np.int64) for level in range(2, max_depth + 1)])
+        pool_expander = np.concatenate([np.zeros(k, dtype=np.int64)] + [
+            1 + (level - 2) * k + np.repeat(np.arange(k), k) for level in range(2, max_depth + 1)])
 
         scores = torch.cat(pool_scores, dim=1)  # [R, P]
-        levels = to_device(np.concatenate(pool_level), device)  # [P]
+        levels = to_device(pool_level, device)  # [P]
         allowed = torch.isfinite(scores) & (levels[None, :] <= to_device(depth_limit, device)[:, None])
         chosen, real = select_nodes(scores, allowed, to_device(num_tokens[rows], device), width, by_score=not sampled)
         parent_pool = torch.cat(pool_parent, dim=1).gather(1, chosen)  # [R, W]
@@ -237,7 +243,7 @@ class ModelDrafter(Drafter):
         draft.parents[rows_t] = torch.where(real, parents, DETACHED)
         draft.token_ids[rows_t] = torch.cat(pool_tokens, dim=1).gather(1, chosen)
         if sampled:  # each node's q: its parent's with the siblings drawn before it removed
-            expander = torch.cat(pool_expander, dim=1).gather(1, chosen)  # [R, W]
+            expander = to_device(pool_expander, device)[chosen]  # [R, W]
             parent_q = torch.cat(expander_q, dim=1).gather(1, expander[..., None].expand(-1, -1, vocab))
             siblings = torch.cat(expander_children, dim=1).gather(1, expander[..., None].expand(-1, -1, k))  # [R, W, k]
             place = chosen.remainder(k)  # sibling index: the pool gives each expanded node k consecutive entries

@@ -94,7 +94,7 @@ def choose_children(q: torch.Tensor, count: int, sampled: bool, seeds: torch.Ten
         log_probs = torch.where(chosen_q > 0, chosen_q.log(), float("-inf"))
     else:
         top = q.topk(count, dim=-1)
-        tokens, log_probs = top.indices, top.values.log()
+        tokens, log_probs = top.indices, top.values.log()  # -inf where q is 0
     return Children(tokens=tokens, log_probs=log_probs)
 
 

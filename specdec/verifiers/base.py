@@ -49,7 +49,8 @@ class Verifier(ABC):
                 raise ValueError(f"{type(self).__name__} verifies chains; this draft is a token tree (it has parents): "
                                  "pass verifier=TreeVerifier()")
             parents = pick(draft.parents)  # [A, K]
-            problems = tree_problems(draft_ids, parents, num_draft_t, sampling.greedy or draft.probs is None)
+            problems = (torch.zeros_like(num_draft_t) if draft.well_formed
+                        else tree_problems(draft_ids, parents, num_draft_t, sampling.greedy or draft.probs is None))
             reach = tree_reach(parents, num_draft_t)  # [A, K, K]
             tree = tree_grid(reach, lengths_t)
         target_logits, cost = self.score(runner, batch, rows, chains, num_draft, tree)  # [A, K+1, V]
@@ -62,8 +63,9 @@ class Verifier(ABC):
                                     draft_probs=draft_probs, params=sampling, seeds=seeds_t, first_positions=lengths_t,
                                     logprobs=logprobs)
         else:
+            max_tried = None if draft.max_children is None else int(draft.row_depths.max(initial=0)) * draft.max_children
             verdict, path = tree_verdict(draft_ids, parents, num_draft_t, target_logits, draft_probs, sampling, seeds_t,
-                                         lengths_t, logprobs=logprobs, reach=reach)
+                                         lengths_t, logprobs=logprobs, reach=reach, max_tried=max_tried)
             verdict.path, verdict.tree_problems = path, problems
             compact_accepted_path(runner, rows_t, lengths_t, path)
         return (verdict if every_row else _scatter_rows(verdict, rows_t, batch.num_rows)), cost
