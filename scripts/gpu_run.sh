@@ -39,7 +39,7 @@ fi
 has quick && { python3 -m specdec bench --quick --out "$WORK" 2>&1 | tee "$WORK/bench_quick.log" | quiet | tail -30; pack; }
 has bench && { python3 -m specdec bench --out "$WORK" 2>&1 | tee "$WORK/bench.log" | quiet | tail -40; pack; }
 has trees && { timeout ${TREES_TIMEOUT:-540} python3 -m specdec bench --parts trees --no-peers --batch-sizes "${BATCH_SIZES:-1,4,16,64}" \
-  --temperatures "${TEMPERATURES:-0,0.8}" \
+  --temperatures "${TEMPERATURES:-0,0.8}" --repeats "${REPEATS:-3}" \
   --out "$WORK" 2>&1 | tee "$WORK/trees.log" | quiet | tail -60; pack; }
 has policies && { python3 -m specdec bench --policies --preset gpu --device cuda --batch-sizes "${BATCH_SIZES:-16}" \
   ${POLICY_ARGS:---num-prompts 16 --history-prompts 8 --pass-calls 2 --repeats 3 --time-limit-s 300} \

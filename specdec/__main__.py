@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="zoo (the model zoo against the peers), bandwidth (1B/8B step times), trees (one "
                             "drafter as chains and token trees, greedy and T=0.8); comma-separated")
     bench.add_argument("--temperatures", default="0,0.8", help="the trees part's temperatures (0: greedy)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed passes of each of our methods (the median)")
     bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and PNG")
     bench.add_argument("--zoo-dir")
     bench.add_argument("--policies", action="store_true",
@@ -82,7 +83,8 @@ def _bench(args) -> int:
                              zoo_dir=args.zoo_dir, compile=False if args.no_compile else None,
                              parts=tuple(args.parts.split(",")),
                              batch_sizes=tuple(int(b) for b in args.batch_sizes.split(",")),
-                             tree_temperatures=tuple(float(t) for t in args.temperatures.split(",")))
+                             tree_temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                             repeats=args.repeats)
     if args.quick:
         settings.batch_sizes, settings.num_prompts, settings.batch1_prompts = (1, 16), 16, 4
         settings.max_new_tokens = min(settings.max_new_tokens, 64)
