@@ -201,6 +201,10 @@ class ModelDrafter(Drafter):
         frontier = torch.arange(k, device=device).expand(num_rows, k)  # pool indices of the nodes to feed
         frontier_tokens, frontier_scores = kids.tokens[:, 0], kids.log_probs[:, 0]  # [R, k] each
         slots = torch.arange(k, device=device)
+        # a shape key per candidate that never looks at the candidate's own draw (drafters/tree.py)
+        pool_keys = [(slots + 1).expand(num_rows, k)]
+        frontier_keys = pool_keys[0]
+        rank_plus_sibling = (slots[:, None] + slots[None, :]).reshape(-1)  # [k * k]: frontier rank j + sibling c
         masks = (torch.ones(k, dtype=torch.int64, device=device) << slots).expand(num_rows, k)  # [R, k]
         root_positions = lengths.repeat_interleave(k)  # [R * k]: the root children's position
         pool_size = k
@@ -218,11 +222,14 @@ class ModelDrafter(Drafter):
             pool_tokens.append(level_tokens)
             pool_scores.append(scores)
             pool_parent.append(frontier.repeat_interleave(k, dim=1))
+            level_keys = torch.maximum(frontier_keys.repeat_interleave(k, dim=1), rank_plus_sibling) + 1
+            pool_keys.append(level_keys)
             if level < max_depth:  # the next frontier: this level's best k (ties: earlier first)
-                best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [R, k]
+                best = torch.sort(-level_keys if sampled else scores, dim=1, descending=True, stable=True).indices[:, :k]
                 masks = masks.gather(1, best // k) | (torch.ones_like(best) << (fed + k + slots))
                 frontier, frontier_scores, frontier_tokens = pool_size + best, scores.gather(1, best), \
                     level_tokens.gather(1, best)
+                frontier_keys = level_keys.gather(1, best)
             pool_size += k * k
         # host-side pool layout: each candidate's level, and the expanded node whose child it is
         # (0 the root, 1 + i the i-th fed node): k at level 1, k * k at each later level
@@ -234,7 +241,8 @@ class ModelDrafter(Drafter):
         scores = torch.cat(pool_scores, dim=1)  # [R, P]
         levels = to_device(pool_level, device)  # [P]
         allowed = torch.isfinite(scores) & (levels[None, :] <= to_device(depth_limit, device)[:, None])
-        chosen, real = select_nodes(scores, allowed, to_device(num_tokens[rows], device), width, by_score=not sampled)
+        ranking = -torch.cat(pool_keys, dim=1).float() if sampled else scores  # what the budget keeps the best of
+        chosen, real = select_nodes(ranking, allowed, to_device(num_tokens[rows], device), width)
         parent_pool = torch.cat(pool_parent, dim=1).gather(1, chosen)  # [R, W]
         node_of = torch.full((num_rows, pool_size + 1), -1, dtype=torch.int64, device=device).scatter_(
             1, torch.where(real, chosen, pool_size), torch.arange(width, device=device).expand(num_rows, width))

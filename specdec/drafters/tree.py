@@ -2,24 +2,26 @@
 (EAGLE-2, Li et al. 2024, arXiv 2406.16858; sampling without replacement: RSD, Jeon et al. 2024,
 arXiv 2402.14160; ALGORITHMS.md section 7).
 
-A tree of depth D grows level by level. Level 1 is the root's ``branching`` best children; each
-later level gives every node of the previous level's *frontier* (its ``branching`` nodes of
-highest cumulative log-probability) ``branching`` children, so the pool holds
-``branching + (D - 1) * branching**2`` candidates, stored level by level, within a level by
-frontier rank and then sibling order (parents always before children). Children are:
+A tree of depth D grows level by level. Level 1 is the root's ``branching`` first children;
+each later level gives every node of the previous level's *frontier* (its ``branching`` best
+nodes) ``branching`` children, so the pool holds ``branching + (D - 1) * branching**2``
+candidates, stored level by level, within a level by frontier rank and then sibling order
+(parents always before children). Children are:
 - greedy, or ``sampled=False``: the top ``branching`` tokens of the drafter's distribution q,
-  deterministic, verified with q one-hot (draft probs None);
+  deterministic, verified with q one-hot (draft probs None). The frontier and the row's tree
+  are the candidates of highest cumulative log-probability (EAGLE-2's dynamic tree and rerank;
+  ties go to the earlier candidate, and a child's score never exceeds its parent's, so every
+  kept node's parent is kept);
 - ``sampled=True`` under sampling: ``branching`` draws without replacement from q (Gumbel-top-k
   by the exponential race), each with its q given the parent and the siblings drawn before it.
-
-The row's tree is then ``budget`` nodes of the pool, in pool order:
-- deterministic children: the ``budget`` candidates of highest cumulative log-probability
-  (EAGLE-2's rerank). Ties go to the earlier candidate, and a child's score never exceeds its
-  parent's, so every chosen node's parent is chosen;
-- sampled children: the first ``budget`` candidates in pool order. Which nodes a tree keeps then
-  never depends on a node's own draw (only on its ancestors' and earlier siblings' draws, and on
-  other branches), which recursive rejection sampling needs to stay lossless; EAGLE-2's rerank
-  would keep a sampled child because of its own probability and bias the output.
+  The shape is static (as Sequoia's trees are): frontier and tree are the candidates of lowest
+  shape key, key(child) = max(key(parent), frontier rank of the parent + sibling index) + 1
+  (root children: sibling index + 1), which grows along every path and favours the first
+  siblings of the first frontier nodes, so trees go deep. Which nodes a tree keeps then never
+  depends on any draw, as recursive rejection sampling needs to stay lossless; EAGLE-2's rerank
+  would keep a sampled child because of its own probability and bias the output. (A tree whose
+  shape depends only on ancestors' draws would be lossless too, but a budget shared across
+  branches makes a node's siblings and cousins compete with it, through its own level's ranks.)
 A candidate that cannot be drawn (q has no mass left once its earlier siblings are removed), or
 lies deeper than its row may draft, is left out: its slot stays in the draft, detached (parent
 sampling.DETACHED), and the rule never tries it.
@@ -110,23 +112,19 @@ def sibling_draft_probs(parent_q: torch.Tensor, earlier_siblings: torch.Tensor) 
     return torch.where(mass > 0, remaining / mass.clamp(min=1e-30), 0.0)
 
 
-def select_nodes(scores: torch.Tensor, allowed: torch.Tensor, budgets: torch.Tensor, width: int,
-                 by_score: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which pool candidates form each row's tree, in pool order. scores: [R, P] cumulative
-    log-probabilities; allowed: [R, P]; budgets: [R] -> (chosen [R, width] pool indices, real
+def select_nodes(ranking: torch.Tensor, allowed: torch.Tensor, budgets: torch.Tensor,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``budget`` allowed candidates of highest ``ranking`` (ties: the earlier first), in
+    pool order. ranking, allowed: [R, P]; budgets: [R] -> (chosen [R, width] pool indices, real
     [R, width] whether each chosen slot is a kept node; slots past a row's budget or without a
-    candidate are not). by_score: the ``budget`` best allowed candidates (ties: earlier first);
-    else the first ``budget`` allowed ones in pool order."""
-    num_rows, pool = scores.shape
-    index = torch.arange(pool, device=scores.device).expand(num_rows, pool)
-    if by_score:
-        key = torch.where(allowed, scores, float("-inf"))
-        order = torch.sort(key, dim=1, descending=True, stable=True).indices  # [R, P]
-        rank = torch.empty_like(order).scatter_(1, order, index)  # each candidate's place in that order
-        kept = allowed & (rank < budgets[:, None])
-    else:
-        place = allowed.long().cumsum(dim=1) - 1  # among the allowed ones
-        kept = allowed & (place < budgets[:, None])
+    candidate are not). A ranking that falls strictly from parent to child keeps every kept
+    node's parent (a cumulative log-probability falls or stays, and then the earlier wins)."""
+    num_rows, pool = ranking.shape
+    index = torch.arange(pool, device=ranking.device).expand(num_rows, pool)
+    key = torch.where(allowed, ranking, float("-inf"))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices  # [R, P]
+    rank = torch.empty_like(order).scatter_(1, order, index)  # each candidate's place in that order
+    kept = allowed & (rank < budgets[:, None])
     order_key = torch.where(kept, index, pool + index)  # kept ones first, in pool order
     chosen = order_key.sort(dim=1).indices[:, :width]  # [R, min(width, P)]
     real = kept.gather(1, chosen)
