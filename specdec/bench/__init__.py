@@ -1,6 +1,7 @@
 """Benchmark harness: specdec against its peers in one run (``python -m specdec bench``)."""
 
-from .harness import BenchSettings, run
+from .common import BenchSettings
+from .harness import run
 from .report import write
 
 __all__ = ["BenchSettings", "run", "write"]

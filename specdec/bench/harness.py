@@ -22,13 +22,10 @@ import transformers
 
 import specdec
 
-from .. import generate
 from ..drafters import ModelDrafter, PromptLookupDrafter
-from ..policies import FixedPolicy
-from ..verifiers import PaddingFreeVerifier
-from ..zoo import build, load
-from ..zoo.prompts import heldout_prompts
 from . import peers
+from .common import BenchSettings, agreement, graph_options, timed_generate, zoo_and_prompts
+from .trees import run_trees
 
 
 @dataclass
@@ -48,53 +45,6 @@ class BenchRow:
         return self.tokens / self.seconds if self.seconds else float("nan")
 
 
-@dataclass
-class BenchSettings:
-    preset: str = "gpu"
-    device: str = "cuda"
-    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
-    num_prompts: int = 64
-    batch1_prompts: int = 8
-    prompt_tokens: int = 128
-    max_new_tokens: int = 128
-    num_draft_tokens: int = 4
-    peers: bool = True
-    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU; float32 makes "identical" exact on GPU too
-    zoo_dir: str | None = None
-    compile: bool | None = None  # ours with torch.compile inside the CUDA graphs; None: on CUDA
-    repeats: int = 3  # timed passes of each of our methods and of HF static (median); slow HF peers: one
-    parts: tuple[str, ...] = ("zoo", "bandwidth")  # bandwidth: random 1B/8B Llama step times (CUDA only)
-    bandwidth_shapes: tuple[str, ...] = ("llama-1B", "llama-8B")
-    tree_temperatures: tuple[float, ...] = (0.0, 0.8)  # the trees part: greedy and sampled
-
-
-def synchronise(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _ours(target, prompts, batch, drafter, k, settings, eos, graphs, compiled, verifier=None,
-          sampling=None) -> tuple[list[list[int]], float, float]:
-    kwargs = dict(drafter=drafter, verifier=verifier or PaddingFreeVerifier(), policy=FixedPolicy(k),
-                  max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs, compile=compiled,
-                  sampling=sampling)
-    chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    # warm up on the call with the longest prompt: it sizes the caches and graphs, so nothing is
-    # allocated or captured inside the timed window
-    generate(target, max(chunks, key=lambda c: max(map(len, c))), **kwargs)
-    timings = []
-    for _ in range(settings.repeats):  # the median pass is reported
-        synchronise(settings.device)
-        started = time.perf_counter()
-        outputs = [generate(target, chunk, **kwargs) for chunk in chunks]
-        synchronise(settings.device)
-        timings.append(time.perf_counter() - started)
-    seconds = float(np.median(timings))
-    sequences = [s for out in outputs for s in out.sequences]
-    steps = sum(r.steps for out in outputs for r in out.stats.requests)
-    return sequences, seconds, sum(map(len, sequences)) / steps
-
-
 def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
     """Every part the settings name, in one process; one result dictionary. ``checkpoint`` (if
     given) receives the partial result after every measurement, so a run cut short keeps them."""
@@ -107,8 +57,6 @@ def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
         result.update(run_zoo(settings, log, lambda zoo_part: save({**result, **zoo_part})))
         save(result)
     if "trees" in settings.parts:
-        from .trees import run_trees
-
         result["trees"] = run_trees(settings, log, lambda rows: save({**result, "trees": rows}))
         save(result)
     if "bandwidth" in settings.parts:
@@ -120,21 +68,6 @@ def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
         else:
             log("bandwidth part skipped: it measures CUDA step times")
     return result
-
-
-def zoo_and_prompts(settings: BenchSettings):
-    """The built zoo in the bench's dtype and its held-out prompts, as token ids."""
-    build(settings.preset, out=settings.zoo_dir, device=settings.device)
-    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if settings.device.startswith("cuda") else "float32")
-    zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device, dtype=getattr(torch, dtype))
-    records = heldout_prompts(zoo.heldout_texts(), zoo.tokenizer, settings.num_prompts, settings.prompt_tokens)
-    return zoo, [zoo.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
-
-
-def graph_options(settings: BenchSettings) -> tuple[bool, bool]:
-    """(cuda_graphs, compile) for our methods: graphs on CUDA, compiled unless turned off."""
-    graphs = settings.device.startswith("cuda")
-    return graphs, graphs if settings.compile is None else (settings.compile and graphs)  # compile needs graphs
 
 
 def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
@@ -188,7 +121,7 @@ def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
         measured = {}
 
         def measure_plain():
-            measured["plain"], seconds, tau = _ours(target, chosen, batch, None, 0, settings, eos, graphs, compiled)
+            measured["plain"], seconds, tau = timed_generate(target, chosen, batch, None, 0, settings, eos, graphs, compiled)
             return compared("specdec plain decoding (k=0)", "specdec", batch, measured["plain"], seconds, None, tau)
 
         add(attempt("specdec plain decoding (k=0)", "specdec", batch, measure_plain))
@@ -199,7 +132,7 @@ def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
             name = f"specdec {drafter_name} (k={k})"
 
             def measure(drafter=drafter, name=name):
-                out, seconds, tau = _ours(target, chosen, batch, drafter, k, settings, eos, graphs, compiled)
+                out, seconds, tau = timed_generate(target, chosen, batch, drafter, k, settings, eos, graphs, compiled)
                 return compared(name, "specdec", batch, out, seconds, plain, tau)
 
             add(attempt(name, "specdec", batch, measure))
@@ -237,17 +170,6 @@ def run_zoo(settings: BenchSettings, log=print, progress=None) -> dict:
 
             add(attempt("HF static cache + torch.compile", "peer", 1, measure_compiled))
     return part()
-
-
-def agreement(outputs: list[list[int]], expected: list[list[int]] | None) -> float:
-    """Mean fraction of each expected output reproduced before the first differing token."""
-    if expected is None:
-        return float("nan")
-    fractions = []
-    for got, want in zip(outputs, expected):
-        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        fractions.append(1.0 if got == want else same / max(len(want), 1))
-    return sum(fractions) / len(fractions)
 
 
 def environment(device: str) -> dict:

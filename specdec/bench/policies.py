@@ -69,7 +69,8 @@ from ..workloads import KINDS, STANDARD, WorkloadGenerator, mean_oracle_lookup_t
 from ..zoo import build, load
 from . import head_to_head
 from .affinity import gpu_local_cpus, pinned, torch_threads, warm_gpu
-from .harness import agreement, environment, synchronise
+from .common import agreement, synchronise
+from .harness import environment
 from .policy_targets import (
     by_batch_text,
     fastest_pass_rows,

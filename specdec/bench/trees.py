@@ -19,7 +19,7 @@ from ..drafters import ModelDrafter
 from ..drafters.tree import TreeSpec
 from ..types import SamplingParams
 from ..verifiers import PaddingFreeVerifier, TreeVerifier
-from .harness import BenchSettings, _ours, agreement, graph_options, zoo_and_prompts
+from .common import BenchSettings, agreement, graph_options, timed_generate, zoo_and_prompts
 
 TREE_DRAFTER = "drafter-4L-narrow"  # the zoo drafter with the best chains (BENCHMARKS.md, peers)
 CHAIN_LENGTHS = (4, 6)
@@ -64,7 +64,7 @@ def run_trees(settings: BenchSettings, log=print, progress=None) -> dict:
                            batch=batch, tokens=0, seconds=float("nan"), tokens_per_s=float("nan"), tau=None,
                            identical=None, agreement=float("nan"), error="")
                 try:
-                    out, seconds, tau = _ours(target, chosen, batch, drafter, size, settings, eos, graphs, compiled,
+                    out, seconds, tau = timed_generate(target, chosen, batch, drafter, size, settings, eos, graphs, compiled,
                                               verifier=verifier, sampling=sampling)
                     outputs[method] = out
                     row.update(tokens=sum(map(len, out)), seconds=seconds, tokens_per_s=sum(map(len, out)) / seconds,
