@@ -100,9 +100,18 @@ def tree_visible(meta: AttentionMetadata, key_slots: torch.Tensor, max_queries: 
 
 def check_window_covers_tree(meta: AttentionMetadata, sliding_window: int) -> None:
     """A sliding window counts positions, which differ from cache slots in a tree pass; tree
-    passes are exact while the window reaches back past every key (positions <= slots there)."""
-    if meta.token_tree_mask is not None and meta.max_kv_len > sliding_window:
-        raise ValueError(f"a token tree over {meta.max_kv_len} cached positions reaches past this model's sliding "
+    passes are exact while the window reaches back past every key (positions <= slots there).
+    Records the window on the cache, for the runner to check tree passes replayed from graphs."""
+    cache = meta.cache
+    cache.smallest_window = sliding_window if cache.smallest_window is None else min(cache.smallest_window,
+                                                                                      sliding_window)
+    if meta.tree_pass:
+        window_covers_tree(meta.max_kv_len, sliding_window)
+
+
+def window_covers_tree(kv_len: int, sliding_window: int | None) -> None:
+    if sliding_window is not None and kv_len > sliding_window:
+        raise ValueError(f"a token tree over {kv_len} cached positions reaches past this model's sliding "
                          f"window of {sliding_window}: tree attention with a sliding window is implemented only "
                          "while the window covers the whole row; draft chains (no parents) for longer rows")
 

@@ -35,6 +35,7 @@ class AttentionMetadata:
     # tree start causally, and a key at tree start + j only if bit j of its tree mask is set
     token_tree_mask: torch.Tensor | None = None  # [N] int64 bitmask over the 64 slots from the tree start
     group_tree_start: torch.Tensor | None = None  # [G] first tree slot of each group (cache max_len: no tree)
+    tree_pass: bool = False  # host: an eager tree pass (a captured graph's masks may hold a tree or not)
 
     def on(self, device: torch.device) -> "AttentionMetadata":
         """The same description with its tensors on ``device``, made once per device: a model

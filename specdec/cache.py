@@ -32,6 +32,7 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * num_layers  # [rows, kv_heads, max_len, head_dim]
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # valid positions per row (host)
+        self.smallest_window: int | None = None  # the narrowest sliding window a layer attended with
 
     def write(
         self,

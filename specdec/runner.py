@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from .transfer import to_device
 
-from .attention import ATTENTION_NAME, BACKENDS
+from .attention import ATTENTION_NAME, BACKENDS, window_covers_tree
 from .attention_metadata import METADATA_KWARG, AttentionMetadata
 from .cache import KVCache
 
@@ -206,6 +206,7 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
         backend=backend,
         token_tree_mask=None if tree is None else tree.masks,
         group_tree_start=None if tree is None else to_device_int(tree.tree_starts),
+        tree_pass=tree is not None,
     )
 
 
@@ -422,6 +423,8 @@ class ModelRunner:
         if tree is not None:
             check_tree_layout(layout, tree)
         if self.graphs is not None and self.graphs.fits(layout.counts):
+            if tree is not None:  # the attention checks eager passes itself; a replay runs no Python
+                window_covers_tree(last_position, self.cache.smallest_window)
             self.graph_passes += 1
             logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts, tree=tree)  # until the next replay
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]

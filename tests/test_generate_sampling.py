@@ -14,14 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from specdec import SamplingParams, generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
 from specdec.sampling import process_logits
 from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
-from tests.tiny import AlternatingPolicy, make_model, perturbed_copy, random_prompts
+from tests.tiny import AlternatingPolicy, chisquare_pvalue, make_model, perturbed_copy, random_prompts, shifted
 
 ALPHA = 1e-3
 N = 8_000
@@ -53,25 +52,7 @@ def joint_pvalue(sequences, joint: np.ndarray) -> float:
     counts = np.zeros_like(joint)
     for first, second in sequences:
         counts[first, second] += 1
-    expected = joint.ravel() / joint.sum() * len(sequences)
-    observed = counts.ravel()
-    if observed[expected == 0].sum() > 0:  # a pair the distribution cannot produce
-        return 0.0
-    observed, expected = observed[expected > 0], expected[expected > 0]
-    small = expected < 5
-    if small.any():
-        observed = np.append(observed[~small], observed[small].sum())
-        expected = np.append(expected[~small], expected[small].sum())
-    return stats.chisquare(observed, expected).pvalue
-
-
-def shifted(joint: np.ndarray, amount: float = 0.05) -> np.ndarray:
-    """``joint`` with ``amount`` of probability moved from its likeliest pair to the next."""
-    first, second = np.argsort(joint.ravel())[::-1][:2]
-    moved = joint.ravel().copy()
-    moved[first] -= amount
-    moved[second] += amount
-    return moved.reshape(joint.shape)
+    return chisquare_pvalue(counts, joint)
 
 
 @pytest.mark.parametrize(

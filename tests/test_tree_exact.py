@@ -173,3 +173,63 @@ def test_trees_inside_cuda_graphs_equal_target_greedy(compile):
     assert out.sequences == expected
     runner = target.__dict__["_specdec_runners"]["target"]
     assert runner.eager_passes <= 1 and runner.graph_passes >= out.stats.steps  # the prefill at most ran eagerly
+
+
+def test_a_tree_near_the_end_of_the_drafters_cache_fits():
+    """The drafter feeds (depth - 1) * branching nodes past a row (20 here), more than the 8-node
+    budget: its cache is sized for them (a prompt 8 short of 256 positions used to overflow it)."""
+    target = cached_model("llama", "cpu", torch.float64)
+    prompt = [torch.randint(0, 96, (227,), generator=torch.Generator().manual_seed(3)).tolist()]
+    drafter = ModelDrafter(drafter_model("llama", "cpu", torch.float64), tree=TreeSpec(depth=6, branching=4))
+    out = generate(target, prompt, drafter=drafter, verifier=TreeVerifier(), policy=FixedPolicy(8), max_new_tokens=20)
+    assert out.sequences == [hf_greedy(target, prompt[0], 20)]
+
+
+class RecordingTreeDrafter(ModelDrafter):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parents = []
+
+    def propose(self, batch, num_tokens):
+        draft = super().propose(batch, num_tokens)
+        full = (num_tokens == num_tokens.max()) & (batch.remaining - 1 >= self.tree.depth)  # not cut by the end
+        self.parents.append(draft.parents[torch.from_numpy(full)].cpu())
+        return draft
+
+
+def test_a_sampled_trees_shape_does_not_depend_on_the_draws():
+    """Under top-p 0.3 the drafter's q often has fewer tokens than branching, so some children cannot be
+    drawn: their slots stay empty instead of going to other candidates, and every kept slot has
+    the same parent in every row and step whose depth the end of the output does not cut (the
+    shape is static)."""
+    from specdec import SamplingParams
+    from specdec.sampling import DETACHED
+
+    target = cached_model("llama", "cpu", torch.float64)
+    drafter = RecordingTreeDrafter(drafter_model("llama", "cpu", torch.float64), tree=TreeSpec(depth=4, branching=3))
+    generate(target, random_prompts(8, 96, seed=6), drafter=drafter, verifier=TreeVerifier(), policy=FixedPolicy(12),
+             max_new_tokens=12, sampling=SamplingParams(temperature=1.0, top_p=0.3))
+    parents = torch.cat(drafter.parents)  # [rows over steps, 12]
+    detached = parents == DETACHED
+    assert detached.any() and not detached.all(dim=0).any()  # some slots emptied, none always
+    for slot in range(parents.shape[1]):
+        kept = parents[~detached[:, slot], slot]
+        assert (kept == kept[0]).all(), f"slot {slot} has parents {kept.unique().tolist()}"
+
+
+@pytest.mark.parametrize("device,dtype", device_params())
+def test_a_sliding_window_model_decodes_chains_and_refuses_trees_past_its_window(device, dtype):
+    """Chains through a sliding-window model equal its own greedy decoding (with graphs on CUDA,
+    whose captured passes always carry tree masks); a tree on a row longer than the window is a
+    clear error (a window counts positions, which a tree's slots do not follow)."""
+    window = dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, layer_types=None)
+    target = make_model("qwen2", device=device, dtype=dtype, **window)
+    prompts = random_prompts(3, 96, seed=8, min_len=8, max_len=12)
+    graphs = dict(cuda_graphs=True) if device == "cuda" else {}
+    out = generate(target, prompts, drafter=ModelDrafter(perturbed_copy(target, 0.1), **graphs), policy=FixedPolicy(3),
+                   max_new_tokens=10, **graphs)
+    assert out.sequences == [hf_greedy(target, p, 10) for p in prompts]
+    tree = ModelDrafter(perturbed_copy(target, 0.1), tree=TreeSpec(depth=3, branching=2), **graphs)
+    with pytest.raises(ValueError, match="reaches past this model's sliding window of 6"):
+        generate(target, prompts, drafter=tree, verifier=TreeVerifier(), policy=FixedPolicy(4), max_new_tokens=10,
+                 **graphs)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from specdec import SamplingParams, generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
@@ -26,7 +25,7 @@ from specdec.drafters.tree import TreeSpec
 from specdec.policies import FixedPolicy
 from specdec.sampling import process_logits
 from specdec.verifiers import TreeVerifier
-from tests.tiny import make_model, perturbed_copy
+from tests.tiny import chisquare_pvalue, make_model, perturbed_copy, shifted
 
 ALPHA = 1e-3
 N = 6_000
@@ -59,23 +58,7 @@ def joint_first_three(model) -> np.ndarray:
 def joint_pvalue(sequences, joint: np.ndarray) -> float:
     counts = np.zeros(joint.size)
     np.add.at(counts, [np.ravel_multi_index(tuple(s[:3]), joint.shape) for s in sequences], 1)
-    expected = joint.ravel() / joint.sum() * len(sequences)
-    if counts[expected == 0].sum() > 0:
-        return 0.0
-    counts, expected = counts[expected > 0], expected[expected > 0]
-    small = expected < 5
-    if small.any():
-        counts = np.append(counts[~small], counts[small].sum())
-        expected = np.append(expected[~small], expected[small].sum())
-    return stats.chisquare(counts, expected).pvalue
-
-
-def shifted(joint: np.ndarray, amount: float = 0.05) -> np.ndarray:
-    first, second = np.argsort(joint.ravel())[::-1][:2]
-    moved = joint.ravel().copy()
-    moved[first] -= amount
-    moved[second] += amount
-    return moved.reshape(joint.shape)
+    return chisquare_pvalue(counts.reshape(joint.shape), joint)
 
 
 @pytest.mark.parametrize("kind", ["sampled children", "top-k children", "prompt-lookup trie"])

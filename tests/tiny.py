@@ -111,3 +111,29 @@ def device_params():
 @functools.lru_cache(maxsize=None)
 def cached_model(arch: str, device: str, dtype: torch.dtype, seed: int = 0, vocab_size: int = 96):
     return make_model(arch, seed=seed, dtype=dtype, device=device, vocab_size=vocab_size)
+
+
+def chisquare_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
+    """Chi-square p-value of observed ``counts`` against the distribution ``joint`` (same shape):
+    0 if a cell the distribution cannot produce was seen; cells expected fewer than 5 times pooled."""
+    from scipy import stats
+
+    observed = np.asarray(counts, dtype=np.float64).ravel()
+    expected = joint.ravel() / joint.sum() * observed.sum()
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    small = expected < 5
+    if small.any():
+        observed = np.append(observed[~small], observed[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    return stats.chisquare(observed, expected).pvalue
+
+
+def shifted(joint: np.ndarray, amount: float = 0.05) -> np.ndarray:
+    """``joint`` with ``amount`` of probability moved from its likeliest cell to the next."""
+    first, second = np.argsort(joint.ravel())[::-1][:2]
+    moved = joint.ravel().copy()
+    moved[first] -= amount
+    moved[second] += amount
+    return moved.reshape(joint.shape)

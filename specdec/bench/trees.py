@@ -97,18 +97,13 @@ def _best(rows, shape, temperature, batch, key, children=None):
 def tree_targets(rows: list[dict]) -> list[dict]:
     """Issue 32's targets, each with its measured ratio and whether it is met."""
     targets = []
-    tree_tau, chain_tau = _best(rows, "tree", 0.0, 1, "tau"), _best(rows, "chain", 0.0, 1, "tau")
-    if tree_tau and chain_tau:
-        ratio = tree_tau["tau"] / chain_tau["tau"]
-        targets.append(dict(target="greedy batch 1: best tree tau >= 1.2x best chain tau", value=round(ratio, 3),
-                            detail=f"{tree_tau['method']} {tree_tau['tau']:.2f} vs {chain_tau['method']} "
-                                   f"{chain_tau['tau']:.2f}", met=ratio >= 1.2))
-    tree_speed, chain_speed = _best(rows, "tree", 0.0, 1, "tokens_per_s"), _best(rows, "chain", 0.0, 1, "tokens_per_s")
-    if tree_speed and chain_speed:
-        ratio = tree_speed["tokens_per_s"] / chain_speed["tokens_per_s"]
-        targets.append(dict(target="greedy batch 1: best tree tok/s >= 1.15x best chain tok/s", value=round(ratio, 3),
-                            detail=f"{tree_speed['method']} {tree_speed['tokens_per_s']:.0f} vs "
-                                   f"{chain_speed['method']} {chain_speed['tokens_per_s']:.0f}", met=ratio >= 1.15))
+    for key, name, bar, shown in (("tau", "tau", 1.2, ".2f"), ("tokens_per_s", "tok/s", 1.15, ".0f")):
+        tree, chain = _best(rows, "tree", 0.0, 1, key), _best(rows, "chain", 0.0, 1, key)
+        if tree and chain:
+            ratio = tree[key] / chain[key]
+            targets.append(dict(target=f"greedy batch 1: best tree {name} >= {bar}x best chain {name}",
+                                value=round(ratio, 3), met=ratio >= bar,
+                                detail=f"{tree['method']} {tree[key]:{shown}} vs {chain['method']} {chain[key]:{shown}}"))
     sampled = {(r["size"], r["batch"]): r for r in rows
                if r["shape"] == "tree" and r["temperature"] > 0 and r["children"] == "sampled" and not r["error"]}
     onehot = {(r["size"], r["batch"]): r for r in rows

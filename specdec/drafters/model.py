@@ -95,7 +95,9 @@ class ModelDrafter(Drafter):
         group = 2 if self.tree is None else max(2, self.tree.branching, self.tree.depth + 1)
         graph_shape = (group, group * batch.num_rows) if self.cuda_graphs else None
         self.runner_role = _free_drafter_role(self.model)
-        self._runner = runner_for(self.model, role=self.runner_role, max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft_tokens + 1,
+        # a tree's expansion writes (depth - 1) * branching nodes past the row, which may exceed the budget
+        reach = max_draft_tokens if self.tree is None else max(max_draft_tokens, (self.tree.depth - 1) * self.tree.branching)
+        self._runner = runner_for(self.model, role=self.runner_role, max_rows=batch.num_rows, max_len=batch.max_total_len + reach + 1,
                                   attention=self.attention, graph_shape=graph_shape, compile=self.compile)
         self._runner.cache.lengths[:] = 0  # a reused runner: nothing cached is valid for this batch
         self._runner.in_use = True
@@ -240,9 +242,15 @@ class ModelDrafter(Drafter):
 
         scores = torch.cat(pool_scores, dim=1)  # [R, P]
         levels = to_device(pool_level, device)  # [P]
-        allowed = torch.isfinite(scores) & (levels[None, :] <= to_device(depth_limit, device)[:, None])
-        ranking = -torch.cat(pool_keys, dim=1).float() if sampled else scores  # what the budget keeps the best of
-        chosen, real = select_nodes(ranking, allowed, to_device(num_tokens[rows], device), width)
+        allowed = levels[None, :] <= to_device(depth_limit, device)[:, None]  # [R, P]
+        if sampled:  # a static shape; a child that cannot be drawn (and its subtree: -inf too) is left empty,
+            # not replaced, so that no draw decides which other nodes the budget keeps
+            chosen, real = select_nodes(-torch.cat(pool_keys, dim=1).float(), allowed,
+                                        to_device(num_tokens[rows], device), width)
+            real &= torch.isfinite(scores.gather(1, chosen))
+        else:
+            chosen, real = select_nodes(scores, allowed & torch.isfinite(scores), to_device(num_tokens[rows], device),
+                                        width)
         parent_pool = torch.cat(pool_parent, dim=1).gather(1, chosen)  # [R, W]
         node_of = torch.full((num_rows, pool_size + 1), -1, dtype=torch.int64, device=device).scatter_(
             1, torch.where(real, chosen, pool_size), torch.arange(width, device=device).expand(num_rows, width))

@@ -22,9 +22,11 @@ candidates, stored level by level, within a level by frontier rank and then sibl
   would keep a sampled child because of its own probability and bias the output. (A tree whose
   shape depends only on ancestors' draws would be lossless too, but a budget shared across
   branches makes a node's siblings and cousins compete with it, through its own level's ranks.)
-A candidate that cannot be drawn (q has no mass left once its earlier siblings are removed), or
-lies deeper than its row may draft, is left out: its slot stays in the draft, detached (parent
-sampling.DETACHED), and the rule never tries it.
+A candidate that lies deeper than its row may draft is left out. A sampled candidate that cannot
+be drawn (q has no mass left once its earlier siblings are removed) keeps its place in the shape
+but its slot stays empty, detached (parent sampling.DETACHED) with its subtree, and the rule
+never tries it; letting another candidate take its place would make the kept set depend on draws
+(and the next step reuses some of their keys).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from .. import noise
 from ..runner import TREE_MASK_BITS
-from ..sampling import DETACHED, SIBLING_PURPOSE_STRIDE
+from ..sampling import SIBLING_PURPOSE_STRIDE
 from ..types import is_int_at_least
 
 
