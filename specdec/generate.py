@@ -158,7 +158,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
         step = 0
         while not batch.finished.all():
             step_started = time.perf_counter()
-            plan = _bounded(_checked(policy.plan(batch, len(drafters)), policy, batch, len(drafters)), batch, trees)
+            plan = _bounded(_checked(policy.plan(batch, len(drafters)), policy, batch, trees), batch, trees)
             plan_time_s = time.perf_counter() - step_started
             with timer.phase("draft"):
                 draft = _propose(drafters, batch, plan, device, vocab_size, timer)
@@ -221,8 +221,10 @@ def _raise_on_malformed_trees(host, plan: Plan, drafters: list[Drafter]) -> None
                      f"{TREE_PROBLEMS[int(host.tree_problems[row])]}")
 
 
-def _checked(plan: Plan, policy: Policy, batch: BatchState, num_drafters: int) -> Plan:
-    """A policy's plan must name existing drafters and stay within its own max_draft_tokens."""
+def _checked(plan: Plan, policy: Policy, batch: BatchState, trees: np.ndarray) -> Plan:
+    """A policy's plan must name existing drafters, stay within its own max_draft_tokens, and ask
+    for trees only from drafters that grow them (``trees`` [D])."""
+    num_drafters = len(trees)
     problem = None
     if not isinstance(plan, Plan):
         problem = f"returned {type(plan).__name__}, not a Plan"
@@ -232,6 +234,11 @@ def _checked(plan: Plan, policy: Policy, batch: BatchState, num_drafters: int) -
         problem = f"asked for draft lengths outside [0, max_draft_tokens={policy.max_draft_tokens}]"
     elif np.any((plan.num_draft_tokens > 0) & ((plan.drafter_index < 0) | (plan.drafter_index >= num_drafters))):
         problem = f"named a drafter outside the {num_drafters} given to generate()"
+    elif plan.trees is not None and (plan.trees.shape != (batch.num_rows,) or plan.trees.dtype != bool):
+        problem = f"returned trees of shape {plan.trees.shape} and dtype {plan.trees.dtype}, not ({batch.num_rows},) bool"
+    elif plan.trees is not None and np.any(plan.trees & (plan.num_draft_tokens > 0) & ~trees[plan.drafter_index]):
+        problem = ("asked for a token tree from a drafter without a TreeSpec: give it tree=TreeSpec(...) or ask "
+                   "that row for a chain")
     if problem:
         raise ValueError(f"{policy!r} {problem}")
     return plan
@@ -243,9 +250,13 @@ def _bounded(plan: Plan, batch: BatchState, trees: np.ndarray) -> Plan:
     [D]) keeps its node budget while it may emit two tokens or more: the drafter bounds the
     tree's depth by what the row may still emit."""
     limit = np.maximum(batch.remaining - 1, 0)
-    tree_row = trees[plan.drafter_index] if len(trees) else np.zeros(batch.num_rows, dtype=bool)
+    if plan.trees is not None:
+        tree_row = plan.trees
+    else:
+        tree_row = trees[plan.drafter_index] if len(trees) else np.zeros(batch.num_rows, dtype=bool)
     limit = np.where(tree_row & (limit > 0), plan.num_draft_tokens, limit)
-    return Plan(drafter_index=plan.drafter_index, num_draft_tokens=np.minimum(plan.num_draft_tokens, limit))
+    return Plan(drafter_index=plan.drafter_index, num_draft_tokens=np.minimum(plan.num_draft_tokens, limit),
+                trees=plan.trees)
 
 
 def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: torch.device, vocab_size: int,
@@ -261,7 +272,10 @@ def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: tor
     for i in asked:
         with timer.phase(f"drafter {i}"):  # nested in "draft": each drafter's share, for policies
             # a drafter on another device (a second GPU, or the CPU) hands its proposals over here
-            drafts.append(drafters[i].propose(batch, np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)).to(device))
+            counts = np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)
+            # the per-row choice of tree or chain goes only to drafters that grow trees (others take no such argument)
+            shape = {} if plan.trees is None or not drafters[i].makes_trees else {"trees": plan.trees}
+            drafts.append(drafters[i].propose(batch, counts, **shape).to(device))
     if len(drafts) == 1:
         return drafts[0]  # every row it was not asked for has zero tokens in it
     # each row's draft among those called; a row whose drafter was not called asks for nothing,

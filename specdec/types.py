@@ -69,11 +69,14 @@ class SamplingParams:
 class Plan:
     """What each row does this step: which drafter proposes for it, and how many tokens.
 
-    ``num_draft_tokens`` of 0 means plain decoding for that row this step.
+    ``num_draft_tokens`` of 0 means plain decoding for that row this step. ``trees`` asks a
+    drafter that grows token trees (it has a TreeSpec) for a tree of ``num_draft_tokens`` nodes
+    or for a chain of as many tokens, row by row: the node budget is to trees what k is to chains.
     """
 
     drafter_index: np.ndarray  # [B] int64
     num_draft_tokens: np.ndarray  # [B] int64
+    trees: np.ndarray | None = None  # [B] bool: a token tree (True) or a chain; None: as each drafter's spec says
 
     @property
     def max_draft_tokens(self) -> int:

@@ -233,3 +233,49 @@ def test_a_sliding_window_model_decodes_chains_and_refuses_trees_past_its_window
     with pytest.raises(ValueError, match="reaches past this model's sliding window of 6"):
         generate(target, prompts, drafter=tree, verifier=TreeVerifier(), policy=FixedPolicy(4), max_new_tokens=10,
                  **graphs)
+
+
+class EvenRowsGetTrees(FixedPolicy):
+    """Trees for even rows, chains for odd ones, from one tree-growing drafter."""
+
+    def plan(self, batch, num_drafters):
+        plan = super().plan(batch, num_drafters)
+        plan.trees = np.arange(batch.num_rows) % 2 == 0
+        return plan
+
+
+@pytest.mark.parametrize("kind", ["model tree", "lookup trie"])
+def test_a_policy_chooses_a_tree_or_a_chain_per_row(kind):
+    target = cached_model("gpt_neox", "cpu", torch.float64)
+    prompts = random_prompts(6, 96, seed=9)
+    expected = [reference("gpt_neox", "cpu", torch.float64, tuple(p), None) for p in prompts]
+    drafter = make_drafter(kind, "gpt_neox", "cpu", torch.float64)
+    mixed = generate(target, prompts, drafter=drafter, verifier=TreeVerifier(), policy=EvenRowsGetTrees(6),
+                     max_new_tokens=MAX_NEW_TOKENS)
+    assert mixed.sequences == expected
+    # asked for chains everywhere, a tree-growing drafter drafts exactly what its chain form drafts
+    chains = generate(target, prompts, drafter=make_drafter(kind, "gpt_neox", "cpu", torch.float64),
+                      verifier=TreeVerifier(), policy=FixedPolicy(6, trees=False), max_new_tokens=MAX_NEW_TOKENS)
+    plain_drafter = (ModelDrafter(drafter_model("gpt_neox", "cpu", torch.float64)) if kind == "model tree"
+                     else PromptLookupDrafter())
+    reference_chains = generate(target, prompts, drafter=plain_drafter, policy=FixedPolicy(6),
+                                max_new_tokens=MAX_NEW_TOKENS)
+    assert chains.sequences == expected
+    assert [r.accepted_by_position for r in chains.stats.requests] == \
+        [r.accepted_by_position for r in reference_chains.stats.requests]
+    # in the mixed call the odd rows drafted exactly as in the all-chains call; the even rows got
+    # trees, never deeper than their spec, where the chains reached depth 6
+    tree_rows, chain_rows = mixed.stats.requests[0::2], mixed.stats.requests[1::2]
+    assert [r.drafted_by_position for r in chain_rows] == [r.drafted_by_position for r in chains.stats.requests[1::2]]
+    depth = drafter.tree.depth
+    assert all(sum(r.drafted_by_position[depth:]) == 0 for r in tree_rows)
+    assert sum(sum(r.drafted_by_position[depth:]) for r in chains.stats.requests[0::2]) > 0
+
+
+def test_a_tree_asked_of_a_chain_drafter_is_a_clear_error():
+    target = cached_model("llama", "cpu", torch.float64)
+    with pytest.raises(ValueError, match="asked for a token tree from a drafter without a TreeSpec"):
+        generate(target, [[1, 2, 3]], drafter=ModelDrafter(drafter_model("llama", "cpu", torch.float64)),
+                 verifier=TreeVerifier(), policy=FixedPolicy(4, trees=True), max_new_tokens=6)
+    with pytest.raises(TypeError, match="FixedPolicy's trees must be True, False or None"):
+        FixedPolicy(4, trees="yes")

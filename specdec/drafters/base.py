@@ -28,7 +28,8 @@ class Drafter(ABC):
     @property
     def makes_trees(self) -> bool:
         """Whether it proposes token trees: a row asked for k tokens gets a tree of up to k
-        nodes no deeper than the row may still emit less one (``batch.remaining - 1``)."""
+        nodes no deeper than the row may still emit less one (``batch.remaining - 1``). Such a
+        drafter's ``propose`` also takes ``trees`` ([B] bool, Plan.trees): rows asked for a chain."""
         return self.tree is not None
 
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
@@ -113,3 +114,16 @@ def merge_drafts(drafts: list[Draft], owner: np.ndarray, vocab_size: int) -> Dra
 def chain_parents(num_rows: int, width: int, device) -> torch.Tensor:
     """[num_rows, width] the parents of chains as a tree: node i's parent is i - 1."""
     return (torch.arange(width, device=device) - 1).expand(num_rows, width).clone()
+
+
+def trees_and_chains(propose_tree, propose_chain, batch, num_tokens: np.ndarray, trees: np.ndarray | None,
+                     vocab_size: int) -> Draft:
+    """One draft with a tree for the rows ``trees`` marks and a chain for the others (all trees
+    when ``trees`` is None), from a drafter's two proposal functions of (batch, num_tokens)."""
+    if trees is None or trees.all():
+        return propose_tree(batch, num_tokens)
+    if not trees.any():
+        return propose_chain(batch, num_tokens)
+    chains = propose_chain(batch, np.where(trees, 0, num_tokens))
+    tree = propose_tree(batch, np.where(trees, num_tokens, 0))
+    return merge_drafts([chains, tree], trees.astype(np.int64), vocab_size)

@@ -26,7 +26,7 @@ from ..transfer import to_device
 
 from ..batch import BatchState
 from ..types import PAD_ID, Draft
-from .base import Drafter
+from .base import Drafter, trees_and_chains
 from .tree import TreeSpec
 
 
@@ -148,9 +148,14 @@ class PromptLookupDrafter(Drafter):
     def start(self, batch, sampling, device, max_draft_tokens) -> None:
         self._device = device
 
-    def propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
+    def propose(self, batch: BatchState, num_tokens: np.ndarray, trees: np.ndarray | None = None) -> Draft:
+        """trees: with a TreeSpec, the rows that get a trie ([B] bool; None: all), the others a chain."""
         if self.tree is not None:
-            return self._propose_trie(batch, num_tokens)
+            return trees_and_chains(self._propose_trie, self._propose_chain, batch, num_tokens, trees,
+                                    vocab_size=0)  # point masses only: no distribution to size
+        return self._propose_chain(batch, num_tokens)
+
+    def _propose_chain(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
         proposals, counts = find_continuations(
             batch.token_ids, batch.lengths, num_tokens, self.min_ngram, self.max_ngram
         )

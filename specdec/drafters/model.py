@@ -31,7 +31,7 @@ from ..runner import (ModelRunner, PackedLayout, TreeLayout, check_supported, de
 from ..sampling import DETACHED, next_tokens, process_logits
 from ..token_rules import apply_token_rules, committed_tokens_seen, penalises_repeats, rules_active
 from ..types import PAD_ID, Draft, SamplingParams
-from .base import Drafter
+from .base import Drafter, trees_and_chains
 from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs
 
 
@@ -112,13 +112,15 @@ class ModelDrafter(Drafter):
             self._runner.in_use = False
         self._runner = self._attached = None
 
-    def propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
+    def propose(self, batch: BatchState, num_tokens: np.ndarray, trees: np.ndarray | None = None) -> Draft:
+        """trees: with a TreeSpec, the rows that get a tree ([B] bool; None: all), the others a chain."""
         with self._current_device():
-            return self._propose(batch, num_tokens)
+            if self.tree is None:
+                return self._propose(batch, num_tokens)
+            return trees_and_chains(self._propose_tree, self._propose, batch, num_tokens, trees, self.vocab_size)
 
     def _propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
-        if self.tree is not None:
-            return self._propose_tree(batch, num_tokens)
+        """Chains of ``num_tokens[r]`` tokens."""
         runner = self._runner
         device = runner.device
         max_tokens = int(num_tokens.max(initial=0))
