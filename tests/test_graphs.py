@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import generate
+from specdec import SamplingParams, generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.drafters.tree import TreeSpec
 from specdec.policies import FixedPolicy, Policy
 from specdec.runner import runners_of
 from specdec.types import Plan
-from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
+from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier, TreeVerifier
 from tests.tiny import ARCHS, hf_greedy, make_model, perturbed_copy, random_prompts
 
 pytestmark = pytest.mark.cuda
@@ -51,12 +52,17 @@ def test_no_capture_after_the_warm_up():
     assert again.sequences == first.sequences[::-1]
 
 
-@pytest.mark.parametrize("drafter_kind", ["model", "lookup"])
+@pytest.mark.parametrize("drafter_kind", ["model", "lookup", "model tree", "sampled model tree"])
 def test_one_synchronisation_per_step(drafter_kind):
     target = make_model("qwen2", dtype=torch.float32, device="cuda")
-    drafter = drafter_of(drafter_kind, target)
+    sampling = SamplingParams(temperature=0.8) if drafter_kind.startswith("sampled") else SamplingParams()
+    if drafter_kind.endswith("tree"):  # a token tree's expansion, verification, walk and compaction
+        drafter = ModelDrafter(perturbed_copy(target, 0.1), tree=TreeSpec(depth=3, branching=3), **GRAPHS)
+        kwargs = dict(drafter=drafter, verifier=TreeVerifier(), policy=FixedPolicy(8), sampling=sampling)
+    else:
+        kwargs = dict(drafter=drafter_of(drafter_kind, target), policy=FixedPolicy(3))
     prompts = random_prompts(8, target.config.vocab_size, seed=7, min_len=2, max_len=2)  # graph-sized prefills
-    kwargs = dict(drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
+    kwargs.update(max_new_tokens=20, **GRAPHS)
     generate(target, prompts, **kwargs)  # warm-up: captures, kernel compilation
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
