@@ -1,7 +1,8 @@
 """``python -m specdec bench --parts trees``: one drafter of the zoo as chains and as token trees,
 greedy and at temperature 0.8, at every batch size of the run, side by side in one process.
 
-Rows per (temperature, batch): plain decoding; chains of k = 4 and 6 (PaddingFreeVerifier); trees
+Rows per (temperature, batch), the largest tree first and then plain decoding (the reference, so that a
+run cut short still compares): plain decoding; chains of k = 4 and 6 (PaddingFreeVerifier); trees
 of 16, 32 and 64 nodes (TreeVerifier, TREE_SPEC), whose children are sampled without replacement
 (real q) and, at temperature 0.8, also top-k with q one-hot (deterministic siblings), at the same
 budget. Greedy rows are compared token for token with plain decoding. The report gives each
@@ -39,51 +40,57 @@ def run_trees(settings: BenchSettings, log=print, progress=None) -> dict:
     result = {"drafter": name, "spec": {"depth": TREE_SPEC.depth, "branching": TREE_SPEC.branching}, "rows": rows}
 
     def methods(temperature: float):
-        """The largest tree first: its runners (caches, captured graphs) cover every later method."""
+        """The largest tree first (its runners, caches and captured graphs, cover every later method),
+        then plain decoding (the reference, early, so that a run cut short can still compare)."""
         kinds = [True] if temperature == 0 else [True, False]
+        trees = []
         for budget in sorted(TREE_BUDGETS, reverse=True):
             for sampled in kinds:
                 spec = TreeSpec(TREE_SPEC.depth, TREE_SPEC.branching, sampled=sampled)
                 children = "sampled" if sampled else "top-k"
                 label = f"tree {budget}" + ("" if temperature == 0 else f" ({children} children)")
-                yield label, "tree", budget, children, ModelDrafter(model, cuda_graphs=graphs, compile=compiled,
-                                                                     tree=spec), TreeVerifier()
+                trees.append((label, "tree", budget, children, ModelDrafter(model, cuda_graphs=graphs, compile=compiled,
+                                                                             tree=spec), TreeVerifier()))
+        yield trees[0]
+        yield "plain decoding", "plain", 0, None, None, PaddingFreeVerifier()
         for k in sorted(CHAIN_LENGTHS, reverse=True):
             yield f"chain k={k}", "chain", k, None, ModelDrafter(model, cuda_graphs=graphs, compile=compiled), \
                 PaddingFreeVerifier()
-        yield "plain decoding", "plain", 0, None, None, PaddingFreeVerifier()
+        yield from trees[1:]
 
     for temperature in settings.tree_temperatures:
         sampling = SamplingParams(temperature=temperature)
         for batch in sorted(settings.batch_sizes, reverse=True):
             chosen = prompts[: settings.batch1_prompts] if batch == 1 else prompts[: max(batch, settings.num_prompts)]
-            outputs = {}
+            outputs, batch_rows = {}, []
             for method, shape, size, children, drafter, verifier in methods(temperature):
                 started = time.perf_counter()
                 row = dict(method=method, shape=shape, size=size, children=children, temperature=temperature,
                            batch=batch, tokens=0, seconds=float("nan"), tokens_per_s=float("nan"), tau=None,
                            identical=None, agreement=float("nan"), error="")
                 try:
-                    out, seconds, tau = timed_generate(target, chosen, batch, drafter, size, settings, eos, graphs, compiled,
-                                              verifier=verifier, sampling=sampling)
+                    out, seconds, tau = timed_generate(target, chosen, batch, drafter, size, settings, eos, graphs,
+                                                       compiled, verifier=verifier, sampling=sampling)
                     outputs[method] = out
                     row.update(tokens=sum(map(len, out)), seconds=seconds, tokens_per_s=sum(map(len, out)) / seconds,
                                tau=tau)
                 except Exception as error:  # noqa: BLE001 - reported in the results, not swallowed
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 rows.append(row)
+                batch_rows.append(row)
+                plain = outputs.get("plain decoding")
+                if temperature == 0 and plain is not None:  # greedy: each output against plain decoding's
+                    for done in batch_rows:
+                        if done["method"] in outputs and done["shape"] != "plain" and done["identical"] is None:
+                            done.update(identical=outputs[done["method"]] == plain,
+                                        agreement=agreement(outputs[done["method"]], plain))
+                if progress is not None:  # after every row: a run cut short keeps what it measured
+                    progress(result)
                 log(f"trees T={temperature} batch {batch:>3} {method:<32} "
                     + (f"FAILED {row['error']}" if row["error"] else
                        f"{row['tokens_per_s']:10.1f} tok/s, tau {row['tau']:.2f}")
+                    + ("" if row["identical"] is None else f", identical {row['identical']}")
                     + f" ({time.perf_counter() - started:.0f} s)")
-            plain = outputs.get("plain decoding")
-            if temperature == 0 and plain is not None:  # greedy: each output against plain decoding's
-                for row in rows[-len(list(methods(temperature))):]:
-                    if row["method"] in outputs and row["shape"] != "plain":
-                        row.update(identical=outputs[row["method"]] == plain,
-                                   agreement=agreement(outputs[row["method"]], plain))
-            if progress is not None:
-                progress(result)
     result["targets"] = tree_targets(rows)
     return result
 
