@@ -210,10 +210,12 @@ def sibling_ordinals(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Te
 
 
 def tree_accept_uniforms(parents: torch.Tensor, num_nodes: torch.Tensor, seeds: torch.Tensor,
-                         first_positions: torch.Tensor) -> torch.Tensor:
+                         first_positions: torch.Tensor, reach: torch.Tensor | None = None) -> torch.Tensor:
     """[R, N] the uniform that accepts or rejects each node, keyed by (seed, the node's position,
-    its place among its siblings): a chain's nodes draw exactly the chain rule's uniforms."""
-    positions = first_positions[:, None] + node_depths(parents, num_nodes) - 1  # [R, N] the position each node would take
+    its place among its siblings): a chain's nodes draw exactly the chain rule's uniforms.
+    reach: tree_reach of the same tree, when the caller has it."""
+    depths = node_depths(parents, num_nodes) if reach is None else reach.sum(dim=2)  # [R, N]
+    positions = first_positions[:, None] + depths - 1  # [R, N] the position each node would take
     purposes = noise.ACCEPT + SIBLING_PURPOSE_STRIDE * sibling_ordinals(parents, num_nodes)  # [R, N]
     return noise.uniform(noise.stream_keys(seeds[:, None], positions, purposes))
 
@@ -344,7 +346,7 @@ def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torc
         scores = None
     else:
         scores = process_logits(target_logits, params)  # [R, N + 1, V]
-        accept_u = tree_accept_uniforms(parents, num_nodes, seeds, first_positions)
+        accept_u = tree_accept_uniforms(parents, num_nodes, seeds, first_positions, reach)
         path, num_accepted, final_slot, residual, _ = walk_tree(token_ids, parents, num_nodes, scores, draft_probs,
                                                                params, accept_u, max_tried)
     rows = torch.arange(token_ids.shape[0], device=token_ids.device)

@@ -101,16 +101,18 @@ def match_ends(token_ids: np.ndarray, lengths: np.ndarray, min_ngram: int, max_n
 
 
 def continuation_trie(tokens: np.ndarray, length: int, ends: list[int], budget: int, depth: int,
-                      branching: int) -> tuple[list[int], list[int]]:
+                      branching: int) -> tuple[list[int], list[int], int]:
     """Merge the continuations after ``ends`` (up to ``depth`` tokens each, preferred first) into a
     trie of at most ``budget`` nodes with at most ``branching`` children a node -> (tokens,
-    parents), parents first; a continuation's shared prefix reuses the nodes already there."""
+    parents, the trie's depth), parents first; a continuation's shared prefix reuses the nodes
+    already there."""
     node_tokens: list[int] = []
     node_parents: list[int] = []
     children: dict[int, dict[int, int]] = {-1: {}}  # node -> {token: child node}
+    deepest = 0
     for end in ends:
         node = -1
-        for token in tokens[end + 1 : min(end + 1 + depth, length)].tolist():
+        for level, token in enumerate(tokens[end + 1 : min(end + 1 + depth, length)].tolist(), start=1):
             child = children[node].get(token)
             if child is None:
                 if len(node_tokens) == budget or len(children[node]) == branching:
@@ -120,10 +122,11 @@ def continuation_trie(tokens: np.ndarray, length: int, ends: list[int], budget: 
                 node_parents.append(node)
                 children[node][token] = child
                 children[child] = {}
+                deepest = max(deepest, level)
             node = child
         if len(node_tokens) == budget:
             break
-    return node_tokens, node_parents
+    return node_tokens, node_parents, deepest
 
 
 class PromptLookupDrafter(Drafter):
@@ -173,14 +176,10 @@ class PromptLookupDrafter(Drafter):
         ends = match_ends(batch.token_ids[asked], batch.lengths[asked], self.min_ngram, self.max_ngram)
         for row, row_ends in zip(asked, ends):
             depth = min(self.tree.depth, int(num_tokens[row]), max(int(batch.remaining[row]) - 1, 1))
-            node_tokens, node_parents = continuation_trie(batch.token_ids[row], int(batch.lengths[row]), row_ends,
-                                                          int(num_tokens[row]), depth, self.tree.branching)
+            node_tokens, node_parents, depths[row] = continuation_trie(
+                batch.token_ids[row], int(batch.lengths[row]), row_ends, int(num_tokens[row]), depth, self.tree.branching)
             count = counts[row] = len(node_tokens)
             token_ids[row, :count], parents[row, :count] = node_tokens, node_parents
-            node_depth = np.zeros(count, dtype=np.int64)
-            for node, parent in enumerate(node_parents):
-                node_depth[node] = 1 if parent < 0 else node_depth[parent] + 1
-            depths[row] = node_depth.max(initial=0)
         return Draft(token_ids=to_device(token_ids, self._device), num_tokens=counts,
                      parents=to_device(parents, self._device), depths=depths, max_children=self.tree.branching,
                      well_formed=True)

@@ -32,7 +32,7 @@ from ..sampling import DETACHED, next_tokens, process_logits
 from ..token_rules import apply_token_rules, committed_tokens_seen, penalises_repeats, rules_active
 from ..types import PAD_ID, Draft, SamplingParams
 from .base import Drafter, trees_and_chains
-from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs
+from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs, static_shape
 
 
 MAX_CATCH_UP_PASSES = 4  # graphed passes a lagging catch-up may take before one eager pass does it
@@ -205,10 +205,9 @@ class ModelDrafter(Drafter):
         frontier = torch.arange(k, device=device).expand(num_rows, k)  # pool indices of the nodes to feed
         frontier_tokens, frontier_scores = kids.tokens[:, 0], kids.log_probs[:, 0]  # [R, k] each
         slots = torch.arange(k, device=device)
-        # a shape key per candidate that never looks at the candidate's own draw (drafters/tree.py)
-        pool_keys = [(slots + 1).expand(num_rows, k)]
-        frontier_keys = pool_keys[0]
-        rank_plus_sibling = (slots[:, None] + slots[None, :]).reshape(-1)  # [k * k]: frontier rank j + sibling c
+        if sampled:  # a static shape: no key looks at any draw (drafters/tree.py)
+            shape_keys, shape_frontiers = static_shape(k, max_depth)
+            shape_frontiers = to_device(shape_frontiers, device)  # [max_depth - 1, k]
         masks = (torch.ones(k, dtype=torch.int64, device=device) << slots).expand(num_rows, k)  # [R, k]
         root_positions = lengths.repeat_interleave(k)  # [R * k]: the root children's position
         pool_size = k
@@ -226,14 +225,12 @@ class ModelDrafter(Drafter):
             pool_tokens.append(level_tokens)
             pool_scores.append(scores)
             pool_parent.append(frontier.repeat_interleave(k, dim=1))
-            level_keys = torch.maximum(frontier_keys.repeat_interleave(k, dim=1), rank_plus_sibling) + 1
-            pool_keys.append(level_keys)
             if level < max_depth:  # the next frontier: this level's best k (ties: earlier first)
-                best = torch.sort(-level_keys if sampled else scores, dim=1, descending=True, stable=True).indices[:, :k]
+                best = (shape_frontiers[level - 1].expand(num_rows, k) if sampled
+                        else torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k])  # [R, k]
                 masks = masks.gather(1, best // k) | (torch.ones_like(best) << (fed + k + slots))
                 frontier, frontier_scores, frontier_tokens = pool_size + best, scores.gather(1, best), \
                     level_tokens.gather(1, best)
-                frontier_keys = level_keys.gather(1, best)
             pool_size += k * k
         # host-side pool layout: each candidate's level, and the expanded node whose child it is
         # (0 the root, 1 + i the i-th fed node): k at level 1, k * k at each later level
@@ -247,7 +244,7 @@ class ModelDrafter(Drafter):
         allowed = levels[None, :] <= to_device(depth_limit, device)[:, None]  # [R, P]
         if sampled:  # a static shape; a child that cannot be drawn (and its subtree: -inf too) is left empty,
             # not replaced, so that no draw decides which other nodes the budget keeps
-            chosen, real = select_nodes(-torch.cat(pool_keys, dim=1).float(), allowed,
+            chosen, real = select_nodes(-to_device(shape_keys, device).float().expand(num_rows, -1), allowed,
                                         to_device(num_tokens[rows], device), width)
             real &= torch.isfinite(scores.gather(1, chosen))
         else:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import noise
@@ -112,6 +113,23 @@ def sibling_draft_probs(parent_q: torch.Tensor, earlier_siblings: torch.Tensor) 
     remaining = spare.scatter(-1, index, 0.0)[..., :vocab]
     mass = remaining.sum(dim=-1, keepdim=True)
     return torch.where(mass > 0, remaining / mass.clamp(min=1e-30), 0.0)
+
+
+def static_shape(branching: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sampled tree's shape (module docstring), the same for every row and step: (the shape key
+    of each pool candidate [P], and each level's frontier [depth - 1, branching]: the places,
+    within levels 1 .. depth - 1, of the nodes fed next, the lowest keys, earlier first)."""
+    k = branching
+    slots = np.arange(k)
+    rank_plus_sibling = (slots[:, None] + slots[None, :]).reshape(-1)  # [k * k]: frontier rank j + sibling c
+    level_keys = slots + 1  # root children
+    keys, frontiers = [level_keys], [slots]
+    for level in range(2, depth + 1):
+        level_keys = np.maximum(np.repeat(level_keys[frontiers[-1]], k), rank_plus_sibling) + 1
+        keys.append(level_keys)
+        if level < depth:
+            frontiers.append(np.argsort(level_keys, kind="stable")[:k])
+    return np.concatenate(keys), np.stack(frontiers[: max(depth - 1, 1)])
 
 
 def select_nodes(ranking: torch.Tensor, allowed: torch.Tensor, budgets: torch.Tensor,
