@@ -9,7 +9,7 @@
 #   quick     python -m specdec bench --quick (the zoo against Hugging Face and the bandwidth floor, ~4 min)
 #   bench     python -m specdec bench (the same, every batch size, ~7 min)
 #   trees     python -m specdec bench --parts trees (chains against token trees, batch $BATCH_SIZES, default 1,4,16,64,
-#             temperatures $TEMPERATURES, default 0,0.8)
+#             temperatures $TEMPERATURES, default 0,0.8; more options in $TREES_ARGS, e.g. "--dtype float32")
 #   policies  python -m specdec bench --policies --batch-sizes $BATCH_SIZES (default 16) with $POLICY_ARGS
 #   demo      python -m specdec demo --preset gpu --device cuda
 # The gpu zoo is built first when a part needs it (~3 min). Everything is written under a work
@@ -39,7 +39,7 @@ fi
 has quick && { python3 -m specdec bench --quick --out "$WORK" 2>&1 | tee "$WORK/bench_quick.log" | quiet | tail -30; pack; }
 has bench && { python3 -m specdec bench --out "$WORK" 2>&1 | tee "$WORK/bench.log" | quiet | tail -40; pack; }
 has trees && { timeout ${TREES_TIMEOUT:-540} python3 -m specdec bench --parts trees --no-peers --batch-sizes "${BATCH_SIZES:-1,4,16,64}" \
-  --temperatures "${TEMPERATURES:-0,0.8}" --repeats "${REPEATS:-3}" \
+  --temperatures "${TEMPERATURES:-0,0.8}" --repeats "${REPEATS:-3}" ${TREES_ARGS:-} \
   --out "$WORK" 2>&1 | tee "$WORK/trees.log" | quiet | tail -60; pack; }
 has policies && { python3 -m specdec bench --policies --preset gpu --device cuda --batch-sizes "${BATCH_SIZES:-16}" \
   ${POLICY_ARGS:---num-prompts 16 --history-prompts 8 --pass-calls 2 --repeats 3 --time-limit-s 300} \
