@@ -276,9 +276,21 @@ RUNNERS_ATTRIBUTE = "_specdec_runners"
 LENGTH_QUANTUM = 256  # cache lengths round up to this, so slightly longer calls reuse the runner
 
 
+class KeptRunners(dict):
+    """The runners kept with a model, by role. A copy or a pickle of the model carries none: a
+    runner holds the model's cache and captured CUDA graphs, which neither copy nor pickle, and a
+    copied model builds its own runners on its first call."""
+
+    def __deepcopy__(self, memo) -> "KeptRunners":
+        return KeptRunners()
+
+    def __reduce__(self):
+        return KeptRunners, ()
+
+
 def runners_of(model) -> dict:
     """The runners kept with ``model`` (they live and die with it), by role."""
-    return model.__dict__.setdefault(RUNNERS_ATTRIBUTE, {})
+    return model.__dict__.setdefault(RUNNERS_ATTRIBUTE, KeptRunners())
 
 
 def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str = "reference",

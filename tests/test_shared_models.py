@@ -122,3 +122,21 @@ def test_one_drafter_object_twice_in_a_call_is_refused():
     drafter = ModelDrafter(perturbed_copy(target, 0.05))
     with pytest.raises(ValueError, match="drafter 1 is the same object as drafter 0"):
         generate(target, [[1, 2, 3]], drafter=[drafter, drafter], max_new_tokens=4)
+
+
+def test_a_model_used_by_generate_still_copies_and_pickles_without_its_runners():
+    """The runners (cache, captured graphs) stay with the model, not with its copies: a copy or a
+    pickle taken after a call carries none, and the copy decodes exactly on its own."""
+    import copy
+    import pickle
+
+    target = make_model("llama")
+    prompts = random_prompts(2, 96, seed=3)
+    generate(target, prompts, drafter=ModelDrafter(perturbed_copy(target, 0.1)), policy=FixedPolicy(3),
+             max_new_tokens=4)
+    assert runners_of(target)
+    copied, unpickled = copy.deepcopy(target), pickle.loads(pickle.dumps(target))
+    assert not runners_of(copied) and not runners_of(unpickled) and runners_of(target)
+    for model in (copied, unpickled):
+        out = generate(model, prompts, max_new_tokens=6)
+        assert out.sequences == [hf_greedy(target, p, 6) for p in prompts]
