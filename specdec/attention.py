@@ -4,7 +4,8 @@ The runner registers ``specdec_attention`` with transformers' ``AttentionInterfa
 attention layer of the model then calls it with the query, key and value of the packed new
 tokens (after the rotary embedding) and our ``AttentionMetadata``. The function writes the new
 keys and values into the cache at (row, position) and lets each query attend to its own row's
-cached keys up to its own position (causal), optionally within a sliding window.
+cached keys up to its own position (causal), optionally within a sliding window, and in a static sparse
+pass (runner.SparseLayout) only to its row's sink keys and the keys of its group's window.
 
 Backends share one contract; ``reference_attention`` (plain torch) is the oracle: it gathers
 each row's keys up to the longest position in the pass and masks per query. It is exact in
@@ -71,6 +72,9 @@ def reference_attention(
     visible = key_positions <= query_positions  # [G, Q, L]
     if meta.token_tree_mask is not None:
         visible &= tree_visible(meta, key_positions, max_queries)
+    if meta.group_window_start is not None:  # static sparse: sinks and the window
+        visible &= ((key_positions < meta.group_sink_end[:, None])
+                    | (key_positions >= meta.group_window_start[:, None]))[:, None, :]
     if sliding_window is not None:
         check_window_covers_tree(meta, sliding_window)
         visible &= key_positions > query_positions - sliding_window
@@ -156,6 +160,8 @@ def fast_attention(
         sliding_window,
         meta.token_tree_mask,
         meta.group_tree_start,
+        meta.group_sink_end,
+        meta.group_window_start,
     )
     return output[None]
 

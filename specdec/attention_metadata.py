@@ -36,6 +36,10 @@ class AttentionMetadata:
     token_tree_mask: torch.Tensor | None = None  # [N] int64 bitmask over the 64 slots from the tree start
     group_tree_start: torch.Tensor | None = None  # [G] first tree slot of each group (cache max_len: no tree)
     tree_pass: bool = False  # host: an eager tree pass (a captured graph's masks may hold a tree or not)
+    # static sparse passes (None in dense ones): a query also needs its key below its group's sink
+    # end or at its window start or later (runner.SparseLayout; sink end = min(sink, window start))
+    group_sink_end: torch.Tensor | None = None  # [G] keys below this slot are sinks
+    group_window_start: torch.Tensor | None = None  # [G] first slot of the group's window (0: the whole row)
 
     def on(self, device: torch.device) -> "AttentionMetadata":
         """The same description with its tensors on ``device``, made once per device: a model

@@ -69,14 +69,16 @@ class GraphedForward:
         self.max_groups = min(self.max_tokens, runner.cache.max_rows - 1) + 1  # + the filler group
         device = runner.device
         # one int64 buffer: ids, cache slots, rows, RoPE positions, tree masks [T each]; group rows,
-        # first tokens, counts, tree starts [G each]. Every pass runs the tree kernel: a causal one
-        # as groups whose tree starts at the cache's end (no key in a tree), so one graph serves both
-        self._sizes = [self.max_tokens] * 5 + [self.max_groups] * 4
+        # first tokens, counts, tree starts, sink ends, window starts [G each]. Every pass runs the
+        # tree and sparse kernel: a causal one as groups whose tree starts at the cache's end (no
+        # key in a tree) and whose window starts at 0 (the whole row), so one graph serves all three
+        self._sizes = [self.max_tokens] * 5 + [self.max_groups] * 6
         self._offsets = np.cumsum([0] + self._sizes)
         self._device = torch.zeros(sum(self._sizes), dtype=torch.int64, device=device)
         views = torch.split(self._device, self._sizes)
         (self.input_ids, self.positions, self.token_rows, self.rope_positions, self.tree_masks,
-         self.group_rows, self.group_first, self.group_counts, self.group_tree_start) = views
+         self.group_rows, self.group_first, self.group_counts, self.group_tree_start, self.group_sink_end,
+         self.group_window_start) = views
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0
         self._pool = None
@@ -98,14 +100,18 @@ class GraphedForward:
             backend=runner.backend,
             token_tree_mask=self.tree_masks[:num_tokens],
             group_tree_start=self.group_tree_start[:num_groups],
+            group_sink_end=self.group_sink_end[:num_groups],
+            group_window_start=self.group_window_start[:num_groups],
         )
 
     def _groups_for(self, bucket: int) -> int:
         return min(bucket, self.max_groups - 1) + 1
 
-    def _fill(self, input_ids: torch.Tensor | None, rows, starts, counts, bucket: int, tree=None) -> None:
+    def _fill(self, input_ids: torch.Tensor | None, rows, starts, counts, bucket: int, tree=None,
+              sparse=None) -> None:
         """Write one pass (real groups, then the filler group) into the static buffers; a tree
-        pass's positions and masks (runner.TreeLayout) are copied device to device."""
+        pass's positions and masks (runner.TreeLayout) are copied device to device, a sparse
+        pass's sink and window starts (runner.SparseLayout) come with the other integers."""
         num_tokens = int(counts.sum())
         num_groups = self._groups_for(bucket)
         scratch = self.runner.cache.max_rows - 1
@@ -133,6 +139,9 @@ class GraphedForward:
         host[offsets[6] : offsets[6] + num_groups] = group_first
         host[offsets[7] : offsets[7] + num_groups] = group_counts
         host[offsets[8] : offsets[8] + num_groups] = tree_starts
+        if sparse is not None:  # dense groups keep sink end 0 and window start 0: every key
+            host[offsets[9] : offsets[9] + real_groups] = np.minimum(sparse.sink, sparse.window_starts)
+            host[offsets[10] : offsets[10] + real_groups] = sparse.window_starts
         self._device.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         if input_ids is not None:
             self.input_ids[:num_tokens].copy_(input_ids)
@@ -213,7 +222,7 @@ class GraphedForward:
         return len(self.graphs) > 0 and int(counts.max()) <= self.max_group_tokens and int(counts.sum()) <= self.max_tokens
 
     def run(self, input_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-            bucket: int | None = None, tree=None) -> torch.Tensor:
+            bucket: int | None = None, tree=None, sparse=None) -> torch.Tensor:
         """Replay the graph of the smallest bucket that holds this pass (or of ``bucket``, one that
         holds it) -> logits [N, V] (a view: copy before the next replay)."""
         num_tokens = int(counts.sum())
@@ -221,7 +230,7 @@ class GraphedForward:
             bucket = next(b for b in self.buckets if b >= num_tokens)
         elif bucket not in self.graphs or bucket < num_tokens:
             raise ValueError(f"bucket {bucket} does not hold a pass of {num_tokens} tokens; buckets: {sorted(self.graphs)}")
-        self._fill(input_ids, rows, starts, counts, bucket, tree)
+        self._fill(input_ids, rows, starts, counts, bucket, tree, sparse)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:num_tokens]

@@ -85,6 +85,32 @@ def check_tree_layout(layout: PackedLayout, tree: TreeLayout) -> None:
                          f"{TREE_MASK_BITS} bits: draft trees of at most {TREE_MASK_BITS} nodes")
 
 
+@dataclass
+class SparseLayout:
+    """What makes a packed pass a static sparse one (StreamingLLM's sink + window; MagicDec and
+    SPIRe draft with it, ALGORITHMS.md section 8): besides the pass's own causal (or tree) rule, a
+    query of group g sees only the keys at slots below ``sink`` and from ``window_starts[g]`` on.
+    The fast kernel reads just those keys, so a pass's KV read is sink + window + the tokens it
+    feeds, whatever the row's length. A group with window start 0 sees its whole row."""
+
+    sink: int  # the first ``sink`` slots of every row stay visible
+    window_starts: np.ndarray  # [G] int64, host: the first slot of each group's window
+
+    @classmethod
+    def trailing(cls, layout: PackedLayout, sink: int, window: int) -> "SparseLayout":
+        """The sink plus the last ``window`` slots before each group's first token (and the group's
+        own tokens): the draft view of a row whose committed keys end where the pass starts."""
+        return cls(sink=sink, window_starts=np.maximum(layout.starts - window, 0))
+
+
+def check_sparse_layout(layout: PackedLayout, sparse: SparseLayout) -> None:
+    if sparse.window_starts.shape != layout.rows.shape:
+        raise ValueError(f"a sparse pass needs one window start per group: {len(layout.rows)} groups, "
+                         f"{len(sparse.window_starts)} window starts")
+    if sparse.sink < 0 or np.any(sparse.window_starts < 0):
+        raise ValueError(f"a sparse pass's sink ({sparse.sink}) and window starts must be non-negative")
+
+
 def vocab_size_of(model: torch.nn.Module) -> int:
     """Number of logits the model produces per token."""
     return model.get_output_embeddings().weight.shape[0]
@@ -181,7 +207,7 @@ def _bidirectional_attention(model) -> str | None:
 
 
 def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, backend,
-                    tree: TreeLayout | None = None) -> AttentionMetadata:
+                    tree: TreeLayout | None = None, sparse: SparseLayout | None = None) -> AttentionMetadata:
     """Device-side description of a packed pass, shared by every attention layer."""
     counts = layout.counts
     offsets = layout.offsets()
@@ -207,6 +233,8 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
         token_tree_mask=None if tree is None else tree.masks,
         group_tree_start=None if tree is None else to_device_int(tree.tree_starts),
         tree_pass=tree is not None,
+        group_sink_end=None if sparse is None else to_device_int(np.minimum(sparse.sink, sparse.window_starts)),
+        group_window_start=None if sparse is None else to_device_int(sparse.window_starts),
     )
 
 
@@ -414,13 +442,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, layout: PackedLayout, logits_indices: np.ndarray | None = None,
-        tree: TreeLayout | None = None,
+        tree: TreeLayout | None = None, sparse: SparseLayout | None = None,
     ) -> torch.Tensor:
         """Run the packed tokens and return their logits.
 
         input_ids: [N] on the model's device, grouped as ``layout`` says; logits_indices: packed
         indices whose logits are wanted (all when None); tree: the positions and ancestor masks
-        of a tree pass -> logits [len(logits_indices) or N, V].
+        of a tree pass; sparse: the sink and window starts of a static sparse pass
+        -> logits [len(logits_indices) or N, V].
         The cache's lengths are left to the caller (it knows which tokens it commits to).
         """
         if layout.num_tokens == 0:
@@ -434,14 +463,17 @@ class ModelRunner:
             logits_indices = None  # every token's logits, in order: no gather needed
         if tree is not None:
             check_tree_layout(layout, tree)
+        if sparse is not None:
+            check_sparse_layout(layout, sparse)
         if self.graphs is not None and self.graphs.fits(layout.counts):
             if tree is not None:  # the attention checks eager passes itself; a replay runs no Python
                 window_covers_tree(last_position, self.cache.smallest_window)
             self.graph_passes += 1
-            logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts, tree=tree)  # until the next replay
+            logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts, tree=tree,
+                                     sparse=sparse)  # valid until the next replay
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
-        meta = packed_metadata(layout, self.cache, self.device, self.backend, tree)
+        meta = packed_metadata(layout, self.cache, self.device, self.backend, tree, sparse)
         keep = 0 if logits_indices is None else to_device(logits_indices, self.keep_device)
         position_ids = meta.token_positions if tree is None else tree.positions
         if self.max_position_id is not None:

@@ -2,9 +2,10 @@
 
 Invariant: the output equals ``attention.reference_attention`` (causal by cache slot, optional
 sliding window; in a tree pass also an ancestor bitmask per query over the 64 slots from its
-group's tree start), and each program reads its row's keys and values only up to the row's real
-length (the largest query position in its group plus one, from the window's start when there
-is one): never to the cache's ``max_len``.
+group's tree start; in a static sparse pass only the sink keys and the group's window), and each
+program reads its row's keys and values only up to the row's real length (the largest query
+position in its group plus one, from the window's start when there is one): never to the cache's
+``max_len``. A sparse pass reads the sink's block and the window's blocks, nothing between.
 
 One program per (group, KV head, block of query rows); a block's query rows are the group's
 tokens times the query heads that share the KV head (grouped-query attention), so decode steps
@@ -20,17 +21,54 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, stride_k_pos, stride_v_pos, offs_d, valid_d, start_n,
+                  lower, upper, tree_mask, tree_start, scale, window,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, TREE: tl.constexpr):
+    """One block of BLOCK_N keys from ``start_n`` into the online softmax (m_i, l_i, acc): only
+    keys in [lower, upper) are read and seen, each by the queries its rules let see it."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    in_range = (offs_n >= lower) & (offs_n < upper)
+    k = tl.load(k_base + offs_n[None, :] * stride_k_pos + offs_d[:, None],
+                mask=in_range[None, :] & valid_d[:, None], other=0.0)  # [D, N]
+    if IEEE:
+        scores = tl.dot(q, k, input_precision="ieee")
+    else:
+        scores = tl.dot(q, k)
+    scores = scores * scale  # [M, N]
+    visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    if TREE:  # keys below the tree start causally, tree keys by their bit in the query's mask
+        offset = offs_n - tree_start  # [N]
+        bit = (tree_mask[:, None] >> tl.minimum(tl.maximum(offset, 0), 63)[None, :].to(tl.int64)) & 1
+        visible = visible & ((offset < 0)[None, :] | ((offset < 64)[None, :] & (bit == 1)))
+    if window > 0:
+        visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + offs_n[:, None] * stride_v_pos + offs_d[None, :],
+                mask=in_range[:, None] & valid_d[None, :], other=0.0)  # [N, D]
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _packed_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     token_positions_ptr, group_rows_ptr, group_first_token_ptr, group_counts_ptr,
-    tree_mask_ptr, group_tree_start_ptr,
+    tree_mask_ptr, group_tree_start_ptr, group_sink_end_ptr, group_window_start_ptr,
     stride_q_token, stride_q_head,
     stride_k_row, stride_k_head, stride_k_pos,
     stride_v_row, stride_v_head, stride_v_pos,
     stride_o_token, stride_o_head,
     scale, window,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, TREE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, TREE: tl.constexpr, SPARSE: tl.constexpr,
 ):
     group = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -48,6 +86,8 @@ def _packed_attention_kernel(
         q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
                     mask=valid_m[:, None] & valid_d[None, :], other=0.0)  # [M, D]
         q_pos = tl.load(token_positions_ptr + token, mask=valid_m, other=0)  # [M] cache slots
+        tree_mask = q_pos
+        tree_start = 0
         if TREE:
             tree_mask = tl.load(tree_mask_ptr + token, mask=valid_m, other=0)  # [M] int64 bits over tree slots
             tree_start = tl.load(group_tree_start_ptr + group)
@@ -60,36 +100,19 @@ def _packed_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lower = 0
+        if SPARSE:  # the sink keys first, then only the window: nothing between is read
+            sink_end = tl.load(group_sink_end_ptr + group)  # <= the window start
+            for start_n in range(kv_start, sink_end, BLOCK_N):
+                m_i, l_i, acc = _attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, stride_k_pos, stride_v_pos,
+                                              offs_d, valid_d, start_n, 0, sink_end, tree_mask, tree_start, scale,
+                                              window, BLOCK_N, IEEE, TREE)
+            lower = tl.load(group_window_start_ptr + group)
+            kv_start = tl.maximum(kv_start, lower // BLOCK_N * BLOCK_N)
         for start_n in range(kv_start, kv_len, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            in_row = offs_n < kv_len
-            k = tl.load(k_base + offs_n[None, :] * stride_k_pos + offs_d[:, None],
-                        mask=in_row[None, :] & valid_d[:, None], other=0.0)  # [D, N]
-            if IEEE:
-                scores = tl.dot(q, k, input_precision="ieee")
-            else:
-                scores = tl.dot(q, k)
-            scores = scores * scale  # [M, N]
-            visible = offs_n[None, :] <= q_pos[:, None]
-            if TREE:  # keys below the tree start causally, tree keys by their bit in the query's mask
-                offset = offs_n - tree_start  # [N]
-                bit = (tree_mask[:, None] >> tl.minimum(tl.maximum(offset, 0), 63)[None, :].to(tl.int64)) & 1
-                visible = visible & ((offset < 0)[None, :] | ((offset < 64)[None, :] & (bit == 1)))
-            if window > 0:
-                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + offs_n[:, None] * stride_v_pos + offs_d[None, :],
-                        mask=in_row[:, None] & valid_d[None, :], other=0.0)  # [N, D]
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, stride_k_pos, stride_v_pos,
+                                          offs_d, valid_d, start_n, lower, kv_len, tree_mask, tree_start, scale,
+                                          window, BLOCK_N, IEEE, TREE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_d[None, :])
@@ -108,10 +131,13 @@ def packed_attention(
     sliding_window: int | None = None,
     tree_mask: torch.Tensor | None = None,
     group_tree_start: torch.Tensor | None = None,
+    group_sink_end: torch.Tensor | None = None,
+    group_window_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query: [N, H, D] (last dim contiguous); keys/values: cache [R, Hkv, L, D];
     token_positions: [N] cache slots; group_rows, group_first_token, group_counts: [G];
-    tree_mask [N] and group_tree_start [G] for a tree pass (AttentionMetadata) -> output [N, H, D]."""
+    tree_mask [N] and group_tree_start [G] for a tree pass, group_sink_end and
+    group_window_start [G] for a static sparse pass (AttentionMetadata) -> output [N, H, D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     heads_per_kv = num_heads // num_kv_heads
@@ -128,6 +154,8 @@ def packed_attention(
         token_positions, group_rows, group_first_token, group_counts,
         token_positions if tree_mask is None else tree_mask,
         group_rows if group_tree_start is None else group_tree_start,
+        group_rows if group_sink_end is None else group_sink_end,
+        group_rows if group_window_start is None else group_window_start,
         query.stride(0), query.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
@@ -135,6 +163,7 @@ def packed_attention(
         scaling, sliding_window or 0,
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=64, IEEE=query.dtype == torch.float32, TREE=tree_mask is not None,
+        SPARSE=group_window_start is not None,
         num_warps=4,
     )
     return out
