@@ -152,6 +152,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
         stack.enter_context(runner.attached())
         for d in drafters:
             stack.callback(d.finish)  # first: a start that fails half-way is still undone
+            d.bind_target(runner)
             d.start(batch, sampling, device, max_draft)
         _prefill(runner, batch, device)
         prefill_time = time.perf_counter() - started

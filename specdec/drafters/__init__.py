@@ -3,5 +3,6 @@
 from .base import Drafter
 from .lookup import PromptLookupDrafter
 from .model import ModelDrafter
+from .self_speculative import SelfSpeculativeDrafter
 
-__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter", "SelfSpeculativeDrafter"]

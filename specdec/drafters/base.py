@@ -32,6 +32,12 @@ class Drafter(ABC):
         drafter's ``propose`` also takes ``trees`` ([B] bool, Plan.trees): rows asked for a chain."""
         return self.tree is not None
 
+    def bind_target(self, runner) -> None:
+        """Called before ``start`` with the target's ModelRunner (its model, cache and passes), for
+        drafters that read the target's weights, cache or activations (self-speculation, SPIRe);
+        others ignore it. Such a drafter must leave the target's committed cache entries as
+        they are: it may write only beyond ``runner.cache.lengths``, which verification overwrites."""
+
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
         """Prepare for a generate() call (allocate caches). Called once before any propose."""
 

@@ -134,7 +134,6 @@ class ModelDrafter(Drafter):
 
         logits = self._catch_up(batch, rows)  # [R, V] next-token logits of the asked rows
 
-        cached = runner.cache.lengths
         greedy = self.sampling.greedy
         rules = rules_active(batch, self.sampling)
         # the committed tokens do not change within a proposal: one mask of them for every depth
@@ -162,10 +161,17 @@ class ModelDrafter(Drafter):
                 kept = to_device(np.flatnonzero(keep), device)
                 chosen, rows_t = chosen[kept], rows_t[kept]
                 seen = None if seen is None else seen[kept]
-            layout = PackedLayout(rows=rows, starts=cached[rows], counts=np.ones(len(rows), dtype=np.int64))
-            logits = runner.forward(chosen, layout)  # [R', V]
-            cached[rows] += 1
+            logits = self._feed(batch, chosen, rows, depth)  # [R', V]
         return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
+
+    def _feed(self, batch: BatchState, tokens: torch.Tensor, rows: np.ndarray, depth: int) -> torch.Tensor:
+        """Feed each row its drafted token ``depth`` ([R] device ids, one per row of ``rows``) right
+        after what its cache holds -> next-token logits [R, V]."""
+        cached = self._runner.cache.lengths
+        layout = PackedLayout(rows=rows, starts=cached[rows], counts=np.ones(len(rows), dtype=np.int64))
+        logits = self._runner.forward(tokens, layout)
+        cached[rows] += 1
+        return logits
 
     def _propose_tree(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
         """Grow each asked row's tree of ``num_tokens[r]`` nodes (drafters/tree.py): depth - 1
