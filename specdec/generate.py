@@ -147,8 +147,9 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
     with contextlib.ExitStack() as stack:  # unwinds in reverse: drafters finish, the target detaches, locks go
         # threads sharing a model take turns: its runners, caches and attention switch are one call's at a time
         stack.enter_context(models_in_use([target, *(model for d in drafters for model in d.models())]))
+        hidden_layers = tuple(sorted({j for d in drafters for j in d.target_hidden_layers()}))
         runner = runner_for(target, role="target", max_rows=batch.num_rows, max_len=batch.max_total_len + max_draft + 1,
-                            attention=attention, graph_shape=graph_shape, compile=compile)
+                            attention=attention, graph_shape=graph_shape, compile=compile, hidden_layers=hidden_layers)
         stack.enter_context(runner.attached())
         for d in drafters:
             stack.callback(d.finish)  # first: a start that fails half-way is still undone

@@ -80,6 +80,7 @@ class GraphedForward:
          self.group_rows, self.group_first, self.group_counts, self.group_tree_start, self.group_sink_end,
          self.group_window_start) = views
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.hidden: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> the kept hidden states its replay writes
         self.captures = 0
         self._pool = None
 
@@ -161,6 +162,7 @@ class GraphedForward:
 
     def release(self) -> None:
         self.graphs.clear()
+        self.hidden.clear()
         self._pool = None
         self._model = None
         self.runner = None  # break the runner <-> graphs cycle
@@ -214,6 +216,8 @@ class GraphedForward:
                     logits = self._run_model(bucket)
                 self._pool = graph.pool() if self._pool is None else self._pool
                 self.graphs[bucket] = (graph, logits)
+                tap = self.runner.tap  # held here, the tensors the capture kept are never reused in the pool
+                self.hidden[bucket] = {} if tap is None else dict(tap.latest)
                 self.captures += 1
         torch.cuda.current_stream().wait_stream(stream)
         self.runner._check_every_layer_ran()  # capturing wrote to the scratch row only
@@ -233,4 +237,6 @@ class GraphedForward:
         self._fill(input_ids, rows, starts, counts, bucket, tree, sparse)
         graph, logits = self.graphs[bucket]
         graph.replay()
+        if self.runner.tap is not None:
+            self.runner.tap.latest = {j: hidden[:num_tokens] for j, hidden in self.hidden[bucket].items()}
         return logits[:num_tokens]

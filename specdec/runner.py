@@ -29,6 +29,7 @@ from .transfer import to_device
 from .attention import ATTENTION_NAME, BACKENDS, window_covers_tree
 from .attention_metadata import METADATA_KWARG, AttentionMetadata
 from .cache import KVCache
+from .hidden_states import HiddenStateTap
 
 
 class UnsupportedModelError(TypeError):
@@ -322,22 +323,25 @@ def runners_of(model) -> dict:
 
 
 def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str = "reference",
-               graph_shape: tuple[int, int] | None = None, compile: bool = False) -> "ModelRunner":
+               graph_shape: tuple[int, int] | None = None, compile: bool = False,
+               hidden_layers: tuple[int, ...] = ()) -> "ModelRunner":
     """A runner for ``model`` big enough for the call, reused across calls while it fits (its
     cache and captured graphs stay allocated as long as the model lives).
 
     role: "target" or "drafter": a model drafting for itself gets a cache of its own per role.
     graph_shape: (max tokens per group, max tokens per pass) to capture CUDA graphs for, or None.
     compile: compile the graphed passes with torch.compile before capturing them.
+    hidden_layers: hidden states to keep from every pass (hidden_states.HiddenStateTap).
     """
     runners = runners_of(model)
     max_len = -(-max_len // LENGTH_QUANTUM) * LENGTH_QUANTUM
     runner = runners.get(role)
-    if runner is None or not runner.covers(max_rows, max_len, attention, graph_shape, compile):
+    if runner is None or not runner.covers(max_rows, max_len, attention, graph_shape, compile, hidden_layers):
         old = runners.pop(role, None)
         if old is not None:
             old.release()  # now, not whenever the garbage collector gets to it (maybe mid-capture)
-        runner = ModelRunner(model, max_rows=max_rows, max_len=max_len, attention=attention)
+        runner = ModelRunner(model, max_rows=max_rows, max_len=max_len, attention=attention,
+                             hidden_layers=hidden_layers)
         if graph_shape is not None:
             runner.enable_graphs(*graph_shape, compile=compile)
         runners[role] = runner
@@ -345,7 +349,8 @@ def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str 
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, *, max_rows: int, max_len: int, attention: str = "reference"):
+    def __init__(self, model: PreTrainedModel, *, max_rows: int, max_len: int, attention: str = "reference",
+                 hidden_layers: tuple[int, ...] = ()):
         check_supported(model)
         if attention not in BACKENDS:
             raise ValueError(f"unknown attention backend {attention!r}; choose one of {sorted(BACKENDS)}")
@@ -380,6 +385,9 @@ class ModelRunner:
         self.graphs = None
         self._checked_layers = False
         self.in_use = False  # a drafter holds it for a call (drafters.model: one runner per drafter in a call)
+        # the hidden states kept from every pass, and who hears of each dense pass (observe())
+        self.tap = HiddenStateTap(model, hidden_layers) if hidden_layers else None
+        self.observers: list = []
         self.graph_passes = 0  # forward passes replayed from a captured graph
         self.eager_passes = 0  # forward passes run eagerly (no graphs, or a pass that fits none)
 
@@ -394,6 +402,9 @@ class ModelRunner:
                              "(device_map): pass cuda_graphs=False")
         if self.device.type != "cuda" or self.attention != "fast":
             raise ValueError("CUDA graphs need a CUDA model and attention='fast'")
+        if compile and self.tap is not None:
+            raise ValueError("compile=True cannot keep hidden states (a drafter that reads the target's activations "
+                             "asked for them): pass compile=False; CUDA graphs still work")
         self.graphs = GraphedForward(self, max_group_tokens, max_tokens, compile=compile)
         with self.attached():
             self.graphs.capture()
@@ -409,10 +420,12 @@ class ModelRunner:
         self.cache = KVCache(self.num_layers, 1, 1)
 
     def covers(self, max_rows: int, max_len: int, attention: str, graph_shape: tuple[int, int] | None,
-               compile: bool = False) -> bool:
+               compile: bool = False, hidden_layers: tuple[int, ...] = ()) -> bool:
         """Whether this runner can serve a call of that size (so its cache and graphs are reused)."""
         if self.max_rows < max_rows or self.cache.max_len < max_len or self.attention != attention:
             return False
+        if tuple(sorted(set(hidden_layers))) != (() if self.tap is None else self.tap.layers):
+            return False  # hooks are part of captured graphs: a runner keeps exactly what was asked
         if self.weights_fingerprint != weights_fingerprint(self.model):
             return False  # moved, cast or reloaded since: graphs would replay over stale weights
         if graph_shape is None:
@@ -431,8 +444,10 @@ class ModelRunner:
         hook = None
         if self.split and decoder is not self.model:
             hook = decoder.register_forward_hook(_hidden_states_to(self.keep_device))
+        tap = self.tap if self.tap is not None else contextlib.nullcontext()
         try:
-            yield self
+            with tap:
+                yield self
         finally:
             if hook is not None:
                 hook.remove()
@@ -471,6 +486,7 @@ class ModelRunner:
             self.graph_passes += 1
             logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts, tree=tree,
                                      sparse=sparse)  # valid until the next replay
+            self._observe(layout, tree, sparse)
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
         meta = packed_metadata(layout, self.cache, self.device, self.backend, tree, sparse)
@@ -487,7 +503,17 @@ class ModelRunner:
         )
         if not self._checked_layers:
             self._check_every_layer_ran()
+        self._observe(layout, tree, sparse)
         return output.logits[0].to(self.device)  # the head may sit on another device (device_map)
+
+    def _observe(self, layout: PackedLayout, tree: TreeLayout | None, sparse: SparseLayout | None) -> None:
+        """Hand every observer the layout and kept hidden states of a dense causal pass (a prefill
+        or a chain's verification): fn(layout, {index: [N, hidden]}). Sparse passes (a drafter's
+        own, through this runner) and tree passes (slots are not positions there) are not handed."""
+        if self.observers and tree is None and sparse is None:
+            hidden = {} if self.tap is None else self.tap.latest
+            for observer in self.observers:
+                observer(layout, hidden)
 
     def _check_every_layer_ran(self) -> None:
         written = self.cache.layers_written()

@@ -32,6 +32,11 @@ class Drafter(ABC):
         drafter's ``propose`` also takes ``trees`` ([B] bool, Plan.trees): rows asked for a chain."""
         return self.tree is not None
 
+    def target_hidden_layers(self) -> tuple[int, ...]:
+        """The target's hidden states this drafter reads from its passes (hidden_states.py: index j
+        the input of block j); generate() keeps them in the target's runner. None by default."""
+        return ()
+
     def bind_target(self, runner) -> None:
         """Called before ``start`` with the target's ModelRunner (its model, cache and passes), for
         drafters that read the target's weights, cache or activations (self-speculation, SPIRe);
