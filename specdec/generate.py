@@ -117,6 +117,8 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     drafters = inputs.normalise_drafters(drafter)
     inputs.check_drafters(drafters, vocab_size, token_prompts, max_new_tokens)
+    for d in drafters:
+        d.check_target(target)
     verifier = PaddingFreeVerifier() if verifier is None else verifier
     policy = (FixedPolicy(4) if drafters else FixedPolicy(0)) if policy is None else policy
     inputs.check_component(verifier, Verifier, "verifier")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams, generate
-from specdec.drafters import ModelDrafter, PromptLookupDrafter, SelfSpeculativeDrafter
+from specdec.drafters import ModelDrafter, PromptLookupDrafter, SelfSpeculativeDrafter, SPIReDrafter, SpireDraft
 from specdec.policies import FixedPolicy
 from specdec.sampling import process_logits
 from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
@@ -59,19 +59,21 @@ def joint_pvalue(sequences, joint: np.ndarray) -> float:
     "drafter_kind,verifier_class,num_draft_tokens",
     [("none", PaddingFreeVerifier, 0), ("model", PaddingFreeVerifier, 1), ("model", PaddingFreeVerifier, 2),
      ("model", PaddedVerifier, 3), ("lookup", PaddingFreeVerifier, 2), ("self", PaddingFreeVerifier, 2),
-     ("self", PaddedVerifier, 3)],
+     ("self", PaddedVerifier, 3), ("spire", PaddingFreeVerifier, 3)],
 )
 def test_first_two_tokens_follow_the_target(target, drafter_model, drafter_kind, verifier_class, num_draft_tokens):
     drafter = {"none": None, "model": ModelDrafter(drafter_model), "lookup": PromptLookupDrafter(),
                # the target over its first and last two positions: a draft distribution of its own
-               "self": SelfSpeculativeDrafter(sink=1, window=2)}[drafter_kind]
+               "self": SelfSpeculativeDrafter(sink=1, window=2),
+               "spire": SPIReDrafter(SpireDraft.from_target(target, window=2)) if drafter_kind == "spire" else None,
+               }[drafter_kind]
     out = generate(target, [PROMPT] * N, drafter=drafter, verifier=verifier_class(),
                    policy=FixedPolicy(num_draft_tokens), max_new_tokens=4, sampling=PARAMS, seed=0)
     assert all(len(s) == 4 for s in out.sequences)
     first_two = [s[:2] for s in out.sequences]
     joint = joint_first_two(target, PARAMS)
     assert joint_pvalue(first_two, joint) > ALPHA
-    if num_draft_tokens >= 2 and drafter_kind in ("model", "self"):  # chains reached their second and third slots
+    if num_draft_tokens >= 2 and drafter_kind in ("model", "self", "spire"):  # chains reached their second and third slots
         assert out.stats.accepted_by_position[1] > 1000
     if num_draft_tokens == 1:  # token 2 is the bonus token wherever token 1 was accepted
         assert out.stats.accepted_by_position[0] > 1000

@@ -32,6 +32,10 @@ class Drafter(ABC):
         drafter's ``propose`` also takes ``trees`` ([B] bool, Plan.trees): rows asked for a chain."""
         return self.tree is not None
 
+    def check_target(self, target) -> None:
+        """Raise a clear error if this drafter cannot draft for ``target`` beyond the common checks
+        (vocabulary, positions), before any runner is built. Nothing by default."""
+
     def target_hidden_layers(self) -> tuple[int, ...]:
         """The target's hidden states this drafter reads from its passes (hidden_states.py: index j
         the input of block j); generate() keeps them in the target's runner. None by default."""

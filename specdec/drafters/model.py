@@ -89,21 +89,30 @@ class ModelDrafter(Drafter):
 
     def _start(self, batch: BatchState, sampling: SamplingParams, max_draft_tokens: int) -> None:
         self.sampling = sampling
-        # catch-up passes carry one or two tokens per row after the first step; single-token steps
-        # one; a tree's expansion passes ``branching`` a row, and after a tree step the catch-up
-        # feeds the accepted path and the new token (the fed nodes are not kept): up to depth + 1
-        group = 2 if self.tree is None else max(2, self.tree.branching, self.tree.depth + 1)
+        group = self._graph_group()
         graph_shape = (group, group * batch.num_rows) if self.cuda_graphs else None
         self.runner_role = _free_drafter_role(self.model)
         # a tree's expansion writes (depth - 1) * branching nodes past the row, which may exceed the budget
         reach = max_draft_tokens if self.tree is None else max(max_draft_tokens, (self.tree.depth - 1) * self.tree.branching)
         self._runner = runner_for(self.model, role=self.runner_role, max_rows=batch.num_rows, max_len=batch.max_total_len + reach + 1,
-                                  attention=self.attention, graph_shape=graph_shape, compile=self.compile)
+                                  attention=self.attention, graph_shape=graph_shape, compile=self.compile,
+                                  hidden_layers=self._own_hidden_layers())
         self._runner.cache.lengths[:] = 0  # a reused runner: nothing cached is valid for this batch
         self._runner.in_use = True
         self._attached = self._runner.attached()
         self._attached.__enter__()
         self._seeds = to_device(batch.seeds, self.device())
+
+    def _graph_group(self) -> int:
+        """The most tokens a row feeds in one pass (the graphs' group size): catch-up passes carry
+        one or two tokens per row after the first step, single-token steps one; a tree's expansion
+        passes ``branching`` a row, and after a tree step the catch-up feeds the accepted path and
+        the new token (the fed nodes are not kept): up to depth + 1."""
+        return 2 if self.tree is None else max(2, self.tree.branching, self.tree.depth + 1)
+
+    def _own_hidden_layers(self) -> tuple[int, ...]:
+        """Hidden states of its own passes the drafter reads (none here)."""
+        return ()
 
     def finish(self) -> None:
         if self._attached is not None:
