@@ -3,6 +3,7 @@
     python -m specdec demo [--preset cpu|gpu] [--device cuda] [--json FILE] [--prompts FILE]
     python -m specdec bench [--quick] [--parts zoo,bandwidth,trees] [--preset gpu] [--out benchmarks/results]
     python -m specdec bench --policies [--quick] [--preset gpu] [--time-limit-s S] [--out benchmarks/results]
+    python -m specdec bench --long-context [--contexts 1024,4096,16384] [--batch-sizes 1,16,64] [--ks 2,3,4,5,6]
     python -m specdec zoo build --preset cpu|gpu|tiny [--out DIR] [--force]
     python -m specdec zoo prompts --preset cpu --out prompts.jsonl [--count N] [--tokens T]
 """
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--policies", action="store_true",
                        help="adaptive policies against fixed drafter/length pairs on mixed workloads instead "
                             "(own options: python -m specdec bench --policies --help)")
+    bench.add_argument("--long-context", action="store_true",
+                       help="sparse drafters (MagicDec, SPIRe) against plain decoding and a small drafter at long "
+                            "contexts instead (own options: python -m specdec bench --long-context --help)")
 
     zoo = commands.add_parser("zoo", help="build the model zoo or export its prompt sets")
     zoo_commands = zoo.add_subparsers(dest="zoo_command", required=True)
@@ -105,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.policies import main as policies_main
 
         return policies_main([a for a in argv[1:] if a != "--policies"])
+    if argv[:1] == ["bench"] and "--long-context" in argv:  # its own options: specdec/bench/long_context.py
+        from .bench.long_context import main as long_context_main
+
+        return long_context_main([a for a in argv[1:] if a != "--long-context"])
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
