@@ -129,18 +129,21 @@ def test_fast_sparse_equals_reference_and_reads_nothing_else(dtype, tolerance, h
 
 
 @pytest.mark.cuda
-def test_fast_sparse_with_a_model_window_and_tree_masks_equals_reference():
+@pytest.mark.parametrize("with_tree", [False, True], ids=["model window", "tree masks"])
+def test_fast_sparse_with_a_model_window_or_tree_masks_equals_reference(with_tree):
+    """The sparse rule combines with the model's own sliding window, and with tree masks (a tree
+    and a sliding window together are refused, see test_tree_exact)."""
     from specdec.runner import TreeLayout
 
     counts = [3, 4, 2]
     rng, layout, history, qkv = random_pass(11, counts, dtype=torch.float32, device="cuda", max_start=300)
     masks = torch.tensor([1, 3, 5, 1, 3, 7, 9, 1, 3], device="cuda")  # chains and a fork, bits from each group's start
-    tree = TreeLayout(positions=None, masks=masks, tree_starts=layout.starts.copy())
+    tree = TreeLayout(positions=None, masks=masks, tree_starts=layout.starts.copy()) if with_tree else None
     sparse = SparseLayout.trailing(layout, 2, 30)
     results = []
     for backend in (reference_attention, fast_attention):
         meta = packed_metadata(layout, fresh_cache(history, 5, history[0].shape[2]), qkv[0].device, backend,
                                tree=tree, sparse=sparse)
-        results.append(backend(types.SimpleNamespace(layer_idx=0), *qkv, meta, 8 ** -0.5, 20))
+        results.append(backend(types.SimpleNamespace(layer_idx=0), *qkv, meta, 8 ** -0.5, None if with_tree else 20))
     error = (results[1] - results[0]).norm() / results[0].norm()
     assert torch.isfinite(results[1]).all() and error < 2e-5
