@@ -7,8 +7,9 @@ Its own cache holds, per draft block, keys and values at the text's positions:
   dense pass (the prefill, each chain verification) into the draft's cache at the pass's slots.
   Entries for rejected tokens lie beyond the committed length, where the draft overwrites them;
 - at the positions the draft feeds itself (the last committed token, then its drafts), its own
-  memory: after each pass the runner's kept hidden states (embedding and block outputs) are
-  mixed into memory vectors, whose projections overwrite the entries the pass wrote.
+  memory: at the end of each pass a hook on the draft LM (SpireDraft.install_memory_writer)
+  mixes the block inputs and the last block's output into memory vectors, whose projections
+  overwrite the entries the pass wrote; as GPU work inside the pass, graphs capture it.
 Each draft pass attends to the sink, the last ``window`` committed positions, and the tokens fed
 this step (runner.SparseLayout), so it reads a constant number of keys whatever the context.
 
@@ -16,9 +17,9 @@ Invariant: the draft's computation equals ``SpireDraft.unrolled_logits`` with th
 at the last committed token; the output is the target's, as for any drafter. Chains only: a tree
 verification's slots are not positions, so its passes are not projected.
 
-Cost per step of k tokens: k passes of len(source_layers) blocks, one token a row; after each,
-one projection of the memory into every block's keys and values; after each verification, one
-projection of the verified tokens' target states.
+Cost per step of k tokens: k passes of len(source_layers) blocks, one token a row, each ending
+with one projection of the memory into every block's keys and values; after each verification,
+one projection of the verified tokens' target states (eager, outside the target's graphs).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class SPIReDrafter(ModelDrafter):
                             f"{type(draft).__name__}")
         super().__init__(draft.model, attention=attention, cuda_graphs=cuda_graphs)
         self.draft = draft
+        draft.install_memory_writer()  # before any graph of the draft is captured
         self._target = None
 
     def describe(self) -> str:
@@ -67,9 +69,6 @@ class SPIReDrafter(ModelDrafter):
     def _graph_group(self) -> int:
         return 1  # one token a row in every pass
 
-    def _own_hidden_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.draft.num_blocks + 1)) if self.draft.feedback else ()
-
     def _start(self, batch: BatchState, sampling, max_draft_tokens: int) -> None:
         if self._target is None:
             raise RuntimeError("SPIReDrafter reads the target's activations: pass it to generate(), which hands it "
@@ -89,34 +88,18 @@ class SPIReDrafter(ModelDrafter):
         draft's cache at the same slots."""
         device = self._runner.device
         rows = to_device(np.repeat(layout.rows, layout.counts), device)  # [N]
-        slots_host = np.concatenate([np.arange(s, s + c) for s, c in zip(layout.starts, layout.counts)])
-        slots = to_device(slots_host, device)  # [N]
+        first = layout.offsets()[:-1]  # [G] packed index of each group's first token
+        slots = to_device(np.repeat(layout.starts - first, layout.counts) + np.arange(layout.num_tokens), device)  # [N]
         for block, source in enumerate(self.draft.source_layers):
             states = hidden[source].to(device=device, dtype=self.draft.model.dtype)  # [N, hidden]
             keys, values = self.draft.keys_values(block, states, slots)  # [N, Hkv, D] each
             self._runner.cache.write(block, rows, slots, keys.transpose(0, 1), values.transpose(0, 1))
 
-    @torch.inference_mode()
-    def _write_memory(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """After a draft pass of one token a row: the fed tokens' entries become their memory's."""
-        if not self.draft.feedback:
-            return  # the ablation: the blocks' own keys and values, as the pass wrote them
-        latest = self._runner.tap.latest
-        states = torch.stack([latest[i] for i in range(self.draft.num_blocks + 1)], dim=1)  # [R, blocks + 1, hidden]
-        memory = self.draft.memory(states)  # [R, blocks, hidden]
-        device = self._runner.device
-        rows_t, slots_t = to_device(rows, device), to_device(slots, device)
-        for block in range(self.draft.num_blocks):
-            keys, values = self.draft.keys_values(block, memory[:, block], slots_t)
-            self._runner.cache.write(block, rows_t, slots_t, keys.transpose(0, 1), values.transpose(0, 1))
-
     def _pass(self, batch: BatchState, tokens: torch.Tensor, rows: np.ndarray, slots: np.ndarray) -> torch.Tensor:
         layout = PackedLayout(rows=rows, starts=slots, counts=np.ones(len(rows), dtype=np.int64))
         # the sink and the last ``window`` positions with target memory (all but the last committed token)
         view = SparseLayout(sink=self.draft.sink, window_starts=np.maximum(batch.lengths[rows] - 1 - self.draft.window, 0))
-        logits = self._runner.forward(tokens, layout, sparse=view)
-        self._write_memory(rows, slots)
-        return logits
+        return self._runner.forward(tokens, layout, sparse=view)  # the memory writer hook ends the pass
 
     def _catch_up(self, batch: BatchState, asked: np.ndarray) -> torch.Tensor:
         """The last committed token of each asked row (the target has not run it yet, so the draft

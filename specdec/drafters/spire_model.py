@@ -164,6 +164,44 @@ class SpireDraft(torch.nn.Module):
         shape = (*positions.shape, 1, cos.shape[-1])
         return cos.reshape(shape).to(like.dtype), sin.reshape(shape).to(like.dtype)
 
+    def install_memory_writer(self) -> None:
+        """Hook the draft LM so that every pass it runs through a specdec runner ends by writing
+        each fed token's memory keys and values over the ones its blocks wrote (the block inputs
+        and the last block's output, mixed by ``memory_mix``). The writes are GPU work inside the
+        pass, so CUDA graphs capture them with it. Passes without specdec's metadata (training,
+        Hugging Face's own forward) and drafts without feedback are left alone. Idempotent."""
+        if getattr(self, "_memory_hooks", None):
+            return
+        from ..attention_metadata import METADATA_KWARG
+
+        kept: dict = {}  # the current pass's metadata and block inputs
+
+        def keep_input(index: int):
+            def hook(module, args, kwargs):
+                if index == 0:
+                    kept.clear()
+                    kept["meta"] = kwargs.get(METADATA_KWARG)
+                kept[index] = (args[0] if args else kwargs["hidden_states"])[0]  # [N, hidden]
+            return hook
+
+        def write_memory(module, args, kwargs):
+            meta = kept.pop("meta", None)  # once: a later norm call outside a pass (training) finds none
+            if meta is None or not self.feedback:
+                return
+            last = (args[0] if args else kwargs["hidden_states"])[0]  # [N, hidden], the last block's output
+            states = torch.stack([kept[i] for i in range(self.num_blocks)] + [last], dim=1)  # [N, blocks + 1, hidden]
+            memory = self.memory(states)  # [N, blocks, hidden]
+            for block in range(self.num_blocks):
+                keys, values = self.keys_values(block, memory[:, block], meta.token_positions)
+                meta.cache.write(block, meta.token_rows, meta.token_positions, keys.transpose(0, 1),
+                                 values.transpose(0, 1))
+
+        decoder = self.model.model
+        handles = [block.register_forward_pre_hook(keep_input(i), with_kwargs=True)
+                   for i, block in enumerate(decoder.layers)]
+        handles.append(decoder.norm.register_forward_pre_hook(write_memory, with_kwargs=True))
+        self._memory_hooks = handles
+
     # -- training ----------------------------------------------------------------------------
     def unrolled_logits(self, input_ids: torch.Tensor, target_hidden: dict[int, torch.Tensor], starts: torch.Tensor,
                         steps: int) -> torch.Tensor:
