@@ -53,6 +53,11 @@ class LongContextSettings:
     out: str = "benchmarks/results"
     methods: tuple[str, ...] = ("plain", "small", "self", "spire")
 
+    @property
+    def graphs(self) -> bool:
+        """CUDA graphs for every method (on CUDA; a CPU smoke run has none)."""
+        return self.device.startswith("cuda")
+
 
 @dataclass
 class Method:
@@ -61,8 +66,13 @@ class Method:
     make: object = field(repr=False)  # () -> drafter or None
 
 
-def measured_hardware() -> Hardware:
-    """Memory bandwidth from a large device copy, matrix throughput from a bf16 GEMM."""
+CPU_NOMINAL = Hardware(flops=1e12, bandwidth=5e10)  # a smoke run's stand-in, not a measurement
+
+
+def measured_hardware(device: str) -> Hardware:
+    """Memory bandwidth from a large device copy, matrix throughput from a bf16 GEMM (on CUDA)."""
+    if not device.startswith("cuda"):
+        return CPU_NOMINAL
     from .bandwidth import copy_bandwidth
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -81,7 +91,7 @@ def measured_hardware() -> Hardware:
 def decode(target, prompts, drafter, k: int, eos, max_new_tokens: int) -> dict:
     """One greedy call -> its outputs, decode seconds (wall less prefill), tau and phase times."""
     out = generate(target, prompts, drafter=drafter, policy=FixedPolicy(k), max_new_tokens=max_new_tokens,
-                   eos_token_id=eos, cuda_graphs=True)
+                   eos_token_id=eos, cuda_graphs="auto")
     stats = out.stats
     seconds = stats.wall_time_s - stats.prefill_time_s
     tokens = sum(map(len, out.sequences))
@@ -90,15 +100,15 @@ def decode(target, prompts, drafter, k: int, eos, max_new_tokens: int) -> dict:
 
 
 def methods_of(zoo, settings: LongContextSettings, small_name: str) -> list[Method]:
-    spire = zoo.spire["spire"]
+    spire, graphs = zoo.spire["spire"], settings.graphs
     made = {
         "plain": Method("plain", "plain decoding", lambda: None),
         "small": Method("small", f"small drafter ({small_name})",
-                        lambda: ModelDrafter(zoo.drafters[small_name], cuda_graphs=True)),
+                        lambda: ModelDrafter(zoo.drafters[small_name], cuda_graphs=graphs)),
         "self": Method("self", f"SelfSpeculativeDrafter (sink {settings.sink}, window {settings.window})",
                        lambda: SelfSpeculativeDrafter(sink=settings.sink, window=settings.window)),
         "spire": Method("spire", f"SPIReDrafter (sink {spire.sink}, window {spire.window})",
-                        lambda: SPIReDrafter(spire, cuda_graphs=True)),
+                        lambda: SPIReDrafter(spire, cuda_graphs=graphs)),
     }
     return [made[name] for name in settings.methods]
 
@@ -127,21 +137,21 @@ def cell_rows(target, prompts, methods: list[Method], ks, eos, context: int, bat
     return rows
 
 
-def choose_small_drafter(zoo, prompts, eos, max_new_tokens: int, log) -> str:
+def choose_small_drafter(zoo, prompts, eos, settings: LongContextSettings, log) -> str:
     """The zoo drafter with the highest decode tok/s at k = 4 on these prompts."""
     speeds = {}
     for name, model in zoo.drafters.items():
-        speeds[name] = decode(zoo.target, prompts, ModelDrafter(model, cuda_graphs=True), 4, eos,
-                              max_new_tokens)["tokens_per_s"]
+        speeds[name] = decode(zoo.target, prompts, ModelDrafter(model, cuda_graphs=settings.graphs), 4, eos,
+                              settings.max_new_tokens)["tokens_per_s"]
         log(f"small drafter {name}: {speeds[name]:.1f} tok/s at k=4")
     return max(speeds, key=speeds.get)
 
 
 def tau_table(zoo, prompts, small_name: str, settings: LongContextSettings, eos, log) -> list[dict]:
     """Tau at k = 4 of each draft (SPIRe's Table 1 on the zoo)."""
-    entries = [(f"small draft {name}", lambda m=model: ModelDrafter(m, cuda_graphs=True))
+    entries = [(f"small draft {name}", lambda m=model: ModelDrafter(m, cuda_graphs=settings.graphs))
                for name, model in zoo.drafters.items()]
-    entries += [(label, lambda d=zoo.spire[key]: SPIReDrafter(d, cuda_graphs=True))
+    entries += [(label, lambda d=zoo.spire[key]: SPIReDrafter(d, cuda_graphs=settings.graphs))
                 for key, label in (("spire", "SPIRe"), ("spire-no-feedback", "SPIRe without feedback memory"),
                                    ("spire-random-init", "SPIRe from random initialisation")) if key in zoo.spire]
     entries.append((f"MagicDec (SelfSpeculativeDrafter, sink {settings.sink}, window {settings.window})",
@@ -222,10 +232,13 @@ def targets(rows: list[dict]) -> list[dict]:
 def run(settings: LongContextSettings, log=print, checkpoint=None) -> dict:
     from .harness import environment
 
+    cuda = settings.device.startswith("cuda")
+    settings.graphs = cuda
     build(settings.preset, out=settings.zoo_dir, device=settings.device)
-    zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device, dtype=torch.bfloat16)
+    zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device,
+               dtype=torch.bfloat16 if cuda else torch.float32)
     eos = zoo.tokenizer.eos_token_id
-    hardware = measured_hardware()
+    hardware = measured_hardware(settings.device)
     log(f"hardware: {hardware.bandwidth / 1e12:.2f} TB/s read, {hardware.flops / 1e12:.0f} TFLOP/s bf16")
     texts = zoo.heldout_texts()
     prompts = {c: [list(p.token_ids) for p in long_context_prompts(texts, zoo.tokenizer, max(settings.batch_sizes), c,
@@ -235,7 +248,7 @@ def run(settings: LongContextSettings, log=print, checkpoint=None) -> dict:
                   hardware=asdict(hardware), command="python -m specdec bench --long-context")
     warm = prompts[min(settings.contexts)][:2]
     small_name = choose_small_drafter(zoo, prompts[settings.table_context][: settings.table_batch], eos,
-                                      settings.max_new_tokens, log)
+                                      settings, log)
     result["small_drafter"] = small_name
     methods = methods_of(zoo, settings, small_name)
     for method in methods:  # compile every kernel before anything is timed
@@ -290,6 +303,8 @@ def main(argv: list[str]) -> int:
     defaults = LongContextSettings()
     parser = argparse.ArgumentParser(prog="python -m specdec bench --long-context")
     parser.add_argument("--preset", default=defaults.preset)
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--spread", type=float, default=defaults.spread)
     parser.add_argument("--contexts", default=",".join(map(str, defaults.contexts)))
     parser.add_argument("--batch-sizes", default=",".join(map(str, defaults.batch_sizes)))
     parser.add_argument("--ks", default=",".join(map(str, defaults.ks)))
@@ -300,7 +315,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=defaults.out)
     args = parser.parse_args(argv)
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
-    settings = LongContextSettings(preset=args.preset, contexts=ints(args.contexts), batch_sizes=ints(args.batch_sizes),
+    settings = LongContextSettings(preset=args.preset, device=args.device, spread=args.spread,
+                                   contexts=ints(args.contexts), batch_sizes=ints(args.batch_sizes),
                                    ks=ints(args.ks), methods=tuple(args.methods.split(",")),
                                    max_new_tokens=args.max_new_tokens, table_context=args.table_context,
                                    zoo_dir=args.zoo_dir, out=args.out)
