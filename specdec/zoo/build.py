@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from . import corpus
 from .presets import Recipe, Shape, get_recipe
 from .tokenizer import train_tokenizer
-from .train import distillation_loss, evaluate, random_windows, train
+from .train import distillation_loss, evaluate, evaluate_by_position, schedule_windows, train
 
 ZOO_DIR_VARIABLE = "SPECDEC_ZOO_DIR"
 HELD_OUT_SAMPLE_CHARS = 8_000  # of each held-out file, kept with the build for prompt sets
@@ -54,6 +54,8 @@ def make_model(shape: Shape, recipe: Recipe, eos_token_id: int) -> LlamaForCausa
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
+        **({"rope_parameters": {"rope_type": "default", "rope_theta": recipe.rope_theta}}
+           if recipe.rope_theta is not None else {}),
     )
     return LlamaForCausalLM(config)
 
@@ -124,7 +126,7 @@ def build(preset: str = "cpu", out: str | Path | None = None, device: str | None
     target = make_model(recipe.target, recipe, eos)
     phase_start = time.perf_counter()
     schedule = recipe.target_schedule
-    reports = train({"target": target}, random_windows(train_stream, schedule.batch_size, schedule.seq_len, seed=1),
+    reports = train({"target": target}, schedule_windows(train_stream, schedule, seed=1),
                     schedule, run_device, description="target", progress=progress)
     phases["target_s"] = time.perf_counter() - phase_start
 
@@ -136,7 +138,7 @@ def build(preset: str = "cpu", out: str | Path | None = None, device: str | None
     if drafters:
         phase_start = time.perf_counter()
         schedule = recipe.distill_schedule
-        reports.update(train(drafters, random_windows(train_stream, schedule.batch_size, schedule.seq_len, seed=2),
+        reports.update(train(drafters, schedule_windows(train_stream, schedule, seed=2),
                              schedule, run_device, loss_fn=distillation_loss, teacher=target,
                              description="drafters", progress=progress))
         phases["drafters_s"] = time.perf_counter() - phase_start
@@ -156,6 +158,12 @@ def build(preset: str = "cpu", out: str | Path | None = None, device: str | None
             "final_train_loss": reports[name].final_loss,
             "heldout_loss": loss,
         }
+        if recipe.longest_seq_len > eval_schedule.seq_len:  # by position, on windows of the longest training length
+            longest = recipe.longest_seq_len
+            edges = [eval_schedule.seq_len << k for k in range(longest.bit_length())
+                     if eval_schedule.seq_len << k < longest]  # 512, 1024, ..., 8192 for 16384
+            models_info[name]["heldout_loss_by_position"] = evaluate_by_position(model, eval_stream, longest, edges,
+                                                                                 run_device)
         log(f"{name}: {models_info[name]['parameters']:,} parameters, held-out loss {loss:.3f} nats/token")
 
     with open(folder / "heldout.jsonl", "w", encoding="utf-8") as f:

@@ -14,10 +14,12 @@ a tqdm bar with loss and tokens/s; held-out loss by ``evaluate``.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -49,8 +51,17 @@ def mixed_loss(weight: float = 0.5) -> Callable:
     return loss
 
 
+# a field added after the first recipes, left out of a recipe's fingerprint while it holds its
+# default (so the recipes written before it keep their fingerprints and builds)
+OMIT_AT_DEFAULT = {"fingerprint": "omit at default"}
+
+
 @dataclass(frozen=True)
 class Schedule:
+    """``steps`` optimizer steps of ``batch_size`` windows of ``seq_len`` tokens; with
+    ``final_steps``, the last final_steps of them take ``final_batch_size`` windows of
+    ``final_seq_len`` instead (a short long-context phase; the learning rate runs on unchanged)."""
+
     steps: int
     batch_size: int
     seq_len: int
@@ -58,6 +69,25 @@ class Schedule:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
+    final_steps: int = field(default=0, metadata=OMIT_AT_DEFAULT)
+    final_batch_size: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
+    final_seq_len: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
+
+    def __post_init__(self):
+        if not 0 <= self.final_steps <= self.steps:
+            raise ValueError(f"final_steps must lie in [0, steps={self.steps}], got {self.final_steps}")
+        if self.final_steps and (self.final_batch_size is None or self.final_seq_len is None):
+            raise ValueError("a schedule with final_steps needs final_batch_size and final_seq_len")
+
+    @property
+    def longest_seq_len(self) -> int:
+        return max(self.seq_len, self.final_seq_len or 0) if self.final_steps else self.seq_len
+
+    @property
+    def tokens(self) -> int:
+        """Input tokens over all steps."""
+        final = self.final_steps * (self.final_batch_size or 0) * (self.final_seq_len or 0)
+        return (self.steps - self.final_steps) * self.batch_size * self.seq_len + final
 
     def lr_factor(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -73,6 +103,16 @@ def random_windows(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int)
     while True:
         starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
         yield torch.from_numpy(tokens[starts[:, None] + offsets].astype(np.int64))
+
+
+def schedule_windows(tokens: np.ndarray, schedule: Schedule, seed: int) -> Iterator[torch.Tensor]:
+    """The schedule's batches: random windows of its seq_len, then of its final_seq_len for its
+    final_steps (without a final phase, exactly ``random_windows(tokens, batch_size, seq_len, seed)``)."""
+    windows = random_windows(tokens, schedule.batch_size, schedule.seq_len, seed)
+    if not schedule.final_steps:
+        return windows
+    final = random_windows(tokens, schedule.final_batch_size, schedule.final_seq_len, seed=seed + 1000)
+    return itertools.chain(itertools.islice(windows, schedule.steps - schedule.final_steps), final)
 
 
 @dataclass
@@ -107,44 +147,51 @@ def train(
             model.parameters(), lr=schedule.lr, weight_decay=schedule.weight_decay, betas=(0.9, 0.95), fused=cuda
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor)
-        forward = torch.compile(model) if cuda else model
+        forward = torch.compile(model, dynamic=False) if cuda else model  # a final phase recompiles, static
         runs[name] = (model, forward, optimizer, scheduler)
     teacher_forward = None
     if teacher is not None:
         teacher.to(device).eval()
-        teacher_forward = torch.compile(teacher) if cuda else teacher
+        teacher_forward = torch.compile(teacher, dynamic=False) if cuda else teacher
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
     losses = {name: float("nan") for name in students}
-    tokens_per_step = schedule.batch_size * schedule.seq_len
+    tokens_seen = 0
     started = time.perf_counter()
     bar = tqdm(range(schedule.steps), desc=description, disable=not progress, dynamic_ncols=True)
-    for step in bar:
-        batch = next(batches).to(device, non_blocking=True)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        teacher_logits = None
-        if teacher_forward is not None:
-            with torch.no_grad(), autocast:
-                teacher_logits = teacher_forward(input_ids=inputs).logits
-        for name, (model, forward, optimizer, scheduler) in runs.items():
-            with autocast:
-                logits = forward(input_ids=inputs).logits
-            loss = loss_fn(logits, targets, teacher_logits)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+    # every zoo model runs LlamaForCausalLM.forward, and dynamo keeps at most recompile_limit (8)
+    # compiled versions of one function: a target trained and used as teacher and three drafters,
+    # each at two shapes when the schedule has a final phase, need 10 (past the limit: eager)
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    recompiles = torch._dynamo.config.patch(**{limit: 64}) if cuda else contextlib.nullcontext()
+    with recompiles:
+        for step in bar:
+            batch = next(batches).to(device, non_blocking=True)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            tokens_seen += inputs.numel()
+            teacher_logits = None
+            if teacher_forward is not None:
+                with torch.no_grad(), autocast:
+                    teacher_logits = teacher_forward(input_ids=inputs).logits
+            for name, (model, forward, optimizer, scheduler) in runs.items():
+                with autocast:
+                    logits = forward(input_ids=inputs).logits
+                loss = loss_fn(logits, targets, teacher_logits)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                if step % 10 == 0 or step == schedule.steps - 1:
+                    losses[name] = loss.item()
             if step % 10 == 0 or step == schedule.steps - 1:
-                losses[name] = loss.item()
-        if step % 10 == 0 or step == schedule.steps - 1:
-            elapsed = time.perf_counter() - started
-            bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses.values()), tok_s=f"{(step + 1) * tokens_per_step / elapsed:,.0f}")
+                elapsed = time.perf_counter() - started
+                bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses.values()), tok_s=f"{tokens_seen / elapsed:,.0f}")
     seconds = time.perf_counter() - started
     for model, *_ in runs.values():
         model.eval()
     return {
-        name: TrainReport(steps=schedule.steps, tokens_seen=schedule.steps * tokens_per_step, seconds=seconds, final_loss=losses[name])
+        name: TrainReport(steps=schedule.steps, tokens_seen=tokens_seen, seconds=seconds, final_loss=losses[name])
         for name in students
     }
 
@@ -167,3 +214,27 @@ def evaluate(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch_siz
         total += next_token_loss(logits, chunk[:, 1:]).item() * len(chunk)
         seen += len(chunk)
     return total / seen
+
+
+@torch.no_grad()
+def evaluate_by_position(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, edges: Sequence[int],
+                         device: torch.device, max_windows: int = 8) -> dict[str, float]:
+    """Mean next-token cross-entropy over consecutive held-out windows of seq_len tokens, by the
+    position of the predicting token: {"a-b": loss over positions a..b} for consecutive edges
+    (0 and seq_len added). Whether far positions work: their loss is no worse than near ones'."""
+    model.to(device).eval()
+    window = seq_len + 1
+    count = min(len(tokens) // window, max_windows)
+    if count == 0:
+        raise ValueError(f"held-out stream of {len(tokens)} tokens is shorter than one window of {window}")
+    bounds = sorted({0, seq_len, *(e for e in edges if 0 < e < seq_len)})
+    totals = torch.zeros(seq_len, dtype=torch.float64)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    for index in range(count):
+        chunk = torch.from_numpy(tokens[index * window : (index + 1) * window].astype(np.int64))[None].to(device)
+        with autocast:
+            logits = model(input_ids=chunk[:, :-1]).logits
+        losses = F.cross_entropy(logits[0].float(), chunk[0, 1:], reduction="none")
+        totals += losses.double().cpu()
+    return {f"{a}-{b - 1}": float(totals[a:b].mean() / count) for a, b in zip(bounds, bounds[1:])}
+
