@@ -1,7 +1,7 @@
 """``python -m specdec bench --long-context``: sparse drafters where their papers say they matter.
 
 On the zoo's long-context preset, side by side in one process, for every context length (1K, 4K,
-16K tokens, ragged +-50% across rows) and batch size: plain decoding, the best small drafter of
+16K tokens, ragged +-50% across rows, cut where the target's positions end) and batch size: plain decoding, the best small drafter of
 the zoo, ``SelfSpeculativeDrafter`` (MagicDec, sink 16 and window 512) and ``SPIReDrafter`` (the
 zoo's SPIRe draft), each at k = 2..6. Greedy; every output is compared with plain decoding's.
 
@@ -233,7 +233,6 @@ def run(settings: LongContextSettings, log=print, checkpoint=None) -> dict:
     from .harness import environment
 
     cuda = settings.device.startswith("cuda")
-    settings.graphs = cuda
     build(settings.preset, out=settings.zoo_dir, device=settings.device)
     zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device,
                dtype=torch.bfloat16 if cuda else torch.float32)
@@ -241,8 +240,9 @@ def run(settings: LongContextSettings, log=print, checkpoint=None) -> dict:
     hardware = measured_hardware(settings.device)
     log(f"hardware: {hardware.bandwidth / 1e12:.2f} TB/s read, {hardware.flops / 1e12:.0f} TFLOP/s bf16")
     texts = zoo.heldout_texts()
+    longest = zoo.target.config.max_position_embeddings - settings.max_new_tokens  # rows beyond it are cut there
     prompts = {c: [list(p.token_ids) for p in long_context_prompts(texts, zoo.tokenizer, max(settings.batch_sizes), c,
-                                                                   settings.spread, settings.seed)]
+                                                                   settings.spread, settings.seed, max_tokens=longest)]
                for c in sorted({*settings.contexts, settings.table_context})}
     result = dict(settings=asdict(settings), environment=environment(settings.device), rows=[],
                   hardware=asdict(hardware), command="python -m specdec bench --long-context")

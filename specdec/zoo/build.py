@@ -11,7 +11,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from . import corpus
 from .presets import Recipe, Shape, get_recipe
+from .spire_build import ensure_spire, load_spire
 from .tokenizer import train_tokenizer
 from .train import distillation_loss, evaluate, evaluate_by_position, schedule_windows, train
 
@@ -92,10 +93,11 @@ def build(preset: str = "cpu", out: str | Path | None = None, device: str | None
     """Build a preset into ``out`` (default: $SPECDEC_ZOO_DIR/preset or ~/.cache/specdec/zoo/preset)."""
     recipe = get_recipe(preset)
     folder = build_dir(preset, out)
+    run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not force and is_built(recipe, folder):
         log(f"zoo '{preset}' is already built at {folder} (recipe {recipe.fingerprint()})")
+        _ensure_spire(preset, recipe, folder, run_device, progress, log)
         return folder
-    run_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     log(f"building zoo '{preset}' into {folder} on {run_device} (recipe {recipe.fingerprint()})")
     started = time.perf_counter()
     phases = {}
@@ -187,7 +189,23 @@ def build(preset: str = "cpu", out: str | Path | None = None, device: str | None
     }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
     log(f"built zoo '{preset}' in {build_seconds:.0f} s at {folder}")
+    _ensure_spire(preset, recipe, folder, run_device, progress, log, streams=(train_stream, eval_stream))
     return folder
+
+
+def _ensure_spire(preset: str, recipe: Recipe, folder: Path, device: torch.device, progress: bool, log,
+                  streams: tuple | None = None) -> None:
+    """The preset's SPIRe drafts (zoo/spire_build.py), built from the saved target when missing."""
+    def token_streams():
+        if streams is not None:
+            return streams
+        tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+        train_files, held_files = corpus.split(corpus.find_sources(include_site_packages=recipe.site_packages))
+        return (_encode_stream(tokenizer, corpus.shuffled(train_files), recipe.train_tokens),
+                _encode_stream(tokenizer, corpus.shuffled(held_files), recipe.eval_tokens))
+
+    load_target = lambda: AutoModelForCausalLM.from_pretrained(folder / "target", dtype=torch.float32)  # noqa: E731
+    ensure_spire(preset, folder, recipe.fingerprint(), load_target, token_streams, device, progress=progress, log=log)
 
 
 @dataclass
@@ -197,6 +215,7 @@ class Zoo:
     target: torch.nn.Module
     drafters: dict[str, torch.nn.Module]
     manifest: dict
+    spire: dict = field(default_factory=dict)  # SPIRe drafts (drafters.SpireDraft) by name, where the preset has them
 
     def heldout_texts(self) -> list[tuple[str, str]]:
         with open(self.path / "heldout.jsonl", encoding="utf-8") as f:
@@ -219,4 +238,5 @@ def load(preset: str = "cpu", out: str | Path | None = None, device: str = "cpu"
         target=load_model("target"),
         drafters={name: load_model(name) for name in manifest["models"] if name != "target"},
         manifest=manifest,
+        spire=load_spire(folder, manifest["fingerprint"], preset, device, dtype),
     )
