@@ -162,6 +162,7 @@ def fast_attention(
         meta.group_tree_start,
         meta.group_sink_end,
         meta.group_window_start,
+        meta.kv_splits,
     )
     return output[None]
 

@@ -40,6 +40,7 @@ class AttentionMetadata:
     # end or at its window start or later (runner.SparseLayout; sink end = min(sink, window start))
     group_sink_end: torch.Tensor | None = None  # [G] keys below this slot are sinks
     group_window_start: torch.Tensor | None = None  # [G] first slot of the group's window (0: the whole row)
+    kv_splits: int = 1  # host: programs per (row, KV head) in the fast kernel, each a share of the keys
 
     def on(self, device: torch.device) -> "AttentionMetadata":
         """The same description with its tensors on ``device``, made once per device: a model

@@ -34,6 +34,7 @@ def _cached_packed_attention(
     group_tree_start: torch.Tensor | None,
     group_sink_end: torch.Tensor | None,
     group_window_start: torch.Tensor | None,
+    kv_splits: int,
 ) -> torch.Tensor:
     """query: [N, H, D]; key, value: [Hkv, N, D]; caches [R, Hkv, L, D] -> output [N, H, D]."""
     from .triton_attention import packed_attention
@@ -41,13 +42,13 @@ def _cached_packed_attention(
     store(key_cache, value_cache, token_rows, token_positions, key, value)
     return packed_attention(query, key_cache, value_cache, token_positions, group_rows, group_first_token,
                             group_counts, max_group_tokens, scaling, sliding_window or None, tree_mask,
-                            group_tree_start, group_sink_end, group_window_start)
+                            group_tree_start, group_sink_end, group_window_start, kv_splits)
 
 
 @_cached_packed_attention.register_fake
 def _(query, key, value, key_cache, value_cache, token_rows, token_positions, group_rows, group_first_token,
       group_counts, max_group_tokens, scaling, sliding_window, tree_mask, group_tree_start, group_sink_end,
-      group_window_start):
+      group_window_start, kv_splits):
     return query.new_empty(query.shape)
 
 
@@ -60,6 +61,6 @@ def cached_packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         query[0].transpose(0, 1), key[0], value[0], meta.cache.keys[layer_idx], meta.cache.values[layer_idx],
         meta.token_rows, meta.token_positions, meta.group_rows, meta.group_first_token, meta.group_counts,
         meta.max_group_tokens, scaling, sliding_window or 0, meta.token_tree_mask, meta.group_tree_start,
-        meta.group_sink_end, meta.group_window_start,
+        meta.group_sink_end, meta.group_window_start, meta.kv_splits,
     )
     return output[None]

@@ -103,6 +103,7 @@ class GraphedForward:
             group_tree_start=self.group_tree_start[:num_groups],
             group_sink_end=self.group_sink_end[:num_groups],
             group_window_start=self.group_window_start[:num_groups],
+            kv_splits=runner.kv_splits,
         )
 
     def _groups_for(self, bucket: int) -> int:

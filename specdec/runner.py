@@ -208,7 +208,8 @@ def _bidirectional_attention(model) -> str | None:
 
 
 def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, backend,
-                    tree: TreeLayout | None = None, sparse: SparseLayout | None = None) -> AttentionMetadata:
+                    tree: TreeLayout | None = None, sparse: SparseLayout | None = None,
+                    kv_splits: int = 1) -> AttentionMetadata:
     """Device-side description of a packed pass, shared by every attention layer."""
     counts = layout.counts
     offsets = layout.offsets()
@@ -236,10 +237,17 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
         tree_pass=tree is not None,
         group_sink_end=None if sparse is None else to_device_int(np.minimum(sparse.sink, sparse.window_starts)),
         group_window_start=None if sparse is None else to_device_int(sparse.window_starts),
+        kv_splits=kv_splits,
     )
 
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _split_count(max_rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    from .triton_attention import split_count  # Triton is imported only where the fast backend runs
+
+    return split_count(max_rows, kv_heads, max_len, device)
 
 
 def reference_only_feature(model) -> str | None:
@@ -382,6 +390,9 @@ class ModelRunner:
         self.weights_fingerprint = weights_fingerprint(model)
         self.cache = KVCache(self.num_layers, max_rows + 1, max_len)  # + a scratch row for graph filler
         self.backend = BACKENDS[attention]
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        # split-KV shares for the fast kernel: one count for every pass of this runner (triton_attention)
+        self.kv_splits = 1 if attention != "fast" else _split_count(max_rows, kv_heads, max_len, self.device)
         self.graphs = None
         self._checked_layers = False
         self.in_use = False  # a drafter holds it for a call (drafters.model: one runner per drafter in a call)
@@ -489,7 +500,7 @@ class ModelRunner:
             self._observe(layout, tree, sparse)
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
-        meta = packed_metadata(layout, self.cache, self.device, self.backend, tree, sparse)
+        meta = packed_metadata(layout, self.cache, self.device, self.backend, tree, sparse, self.kv_splits)
         keep = 0 if logits_indices is None else to_device(logits_indices, self.keep_device)
         position_ids = meta.token_positions if tree is None else tree.positions
         if self.max_position_id is not None:

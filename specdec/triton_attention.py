@@ -7,10 +7,13 @@ program reads its row's keys and values only up to the row's real length (the la
 position in its group plus one, from the window's start when there is one): never to the cache's
 ``max_len``. A sparse pass reads the sink's block and the window's blocks, nothing between.
 
-One program per (group, KV head, block of query rows); a block's query rows are the group's
-tokens times the query heads that share the KV head (grouped-query attention), so decode steps
-with one to a few tokens per row still fill a matrix-unit tile. Online softmax in float32;
-float32 inputs use IEEE products (no TF32), so greedy decoding stays exact.
+One program per (group, KV head, block of query rows, share of the keys); a block's query rows
+are the group's tokens times the query heads that share the KV head (grouped-query attention),
+so decode steps with one to a few tokens per row still fill a matrix-unit tile. With few rows,
+each row's keys are read in ``kv_splits`` block-aligned shares by as many programs
+(flash-decoding), whose partial results ``combine_shares`` merges; a runner uses one count for
+every pass (``split_count``), so its graphs' buckets all sum in the same order. Online softmax in
+float32; float32 inputs use IEEE products (no TF32), so greedy decoding stays exact.
 """
 
 from __future__ import annotations
@@ -62,17 +65,21 @@ def _packed_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     token_positions_ptr, group_rows_ptr, group_first_token_ptr, group_counts_ptr,
     tree_mask_ptr, group_tree_start_ptr, group_sink_end_ptr, group_window_start_ptr,
+    part_out_ptr, part_ml_ptr,
     stride_q_token, stride_q_head,
     stride_k_row, stride_k_head, stride_k_pos,
     stride_v_row, stride_v_head, stride_v_pos,
     stride_o_token, stride_o_head,
+    stride_p_split, stride_p_token, stride_p_head,
     scale, window,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, TREE: tl.constexpr, SPARSE: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     group = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
-    m_block = tl.program_id(2)
+    m_block = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS  # which contiguous share of the row's keys this program reads
     count = tl.load(group_counts_ptr + group)
     if m_block * BLOCK_M < count * HEADS_PER_KV:
         first_token = tl.load(group_first_token_ptr + group)
@@ -101,21 +108,33 @@ def _packed_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lower = 0
-        if SPARSE:  # the sink keys first, then only the window: nothing between is read
+        if SPARSE:  # the sink keys first (by the first split), then only the window: nothing between is read
             sink_end = tl.load(group_sink_end_ptr + group)  # <= the window start
-            for start_n in range(kv_start, sink_end, BLOCK_N):
+            for start_n in range(kv_start, tl.where(split == 0, sink_end, kv_start), BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, stride_k_pos, stride_v_pos,
                                               offs_d, valid_d, start_n, 0, sink_end, tree_mask, tree_start, scale,
                                               window, BLOCK_N, IEEE, TREE)
             lower = tl.load(group_window_start_ptr + group)
             kv_start = tl.maximum(kv_start, lower // BLOCK_N * BLOCK_N)
-        for start_n in range(kv_start, kv_len, BLOCK_N):
+        # the keys from kv_start on, in SPLITS block-aligned shares (flash-decoding); one share without splits
+        share = (tl.maximum(kv_len - kv_start, 0) + SPLITS - 1) // SPLITS
+        chunk = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        share_start = kv_start + split * chunk
+        share_end = tl.minimum(share_start + chunk, kv_len)
+        for start_n in range(share_start, share_end, BLOCK_N):
             m_i, l_i, acc = _attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, stride_k_pos, stride_v_pos,
-                                          offs_d, valid_d, start_n, lower, kv_len, tree_mask, tree_start, scale,
+                                          offs_d, valid_d, start_n, lower, share_end, tree_mask, tree_start, scale,
                                           window, BLOCK_N, IEEE, TREE)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_d[None, :])
+        if SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_d[None, :])
+        else:  # this share's unnormalised output, running max and sum, combined by combine_shares()
+            entry = split * stride_p_split + token * stride_p_token + head * stride_p_head  # [M] (share, token, head)
+            tl.store(part_out_ptr + entry[:, None] * BLOCK_D + offs_d[None, :], acc,
+                     mask=valid_m[:, None] & valid_d[None, :])
+            tl.store(part_ml_ptr + 2 * entry, m_i, mask=valid_m)
+            tl.store(part_ml_ptr + 2 * entry + 1, l_i, mask=valid_m)
 
 
 def packed_attention(
@@ -133,11 +152,13 @@ def packed_attention(
     group_tree_start: torch.Tensor | None = None,
     group_sink_end: torch.Tensor | None = None,
     group_window_start: torch.Tensor | None = None,
+    kv_splits: int = 1,
 ) -> torch.Tensor:
     """query: [N, H, D] (last dim contiguous); keys/values: cache [R, Hkv, L, D];
     token_positions: [N] cache slots; group_rows, group_first_token, group_counts: [G];
     tree_mask [N] and group_tree_start [G] for a tree pass, group_sink_end and
-    group_window_start [G] for a static sparse pass (AttentionMetadata) -> output [N, H, D]."""
+    group_window_start [G] for a static sparse pass (AttentionMetadata); kv_splits: programs per
+    row and head, each reading a share of the row's keys (split_count) -> output [N, H, D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     heads_per_kv = num_heads // num_kv_heads
@@ -148,7 +169,14 @@ def packed_attention(
     rows_per_group = max_group_tokens * heads_per_kv
     block_m = 16 if rows_per_group <= 16 else (32 if rows_per_group <= 32 else 64)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    grid = (group_rows.shape[0], num_kv_heads, triton.cdiv(rows_per_group, block_m))
+    splits = kv_splits if num_tokens * num_heads * block_d * 4 * kv_splits <= SPLIT_BUFFER_BYTES else 1
+    if splits > 1:  # each share's unnormalised output, and its running max and sum
+        part_out = torch.zeros(splits, num_tokens, num_heads, block_d, dtype=torch.float32, device=query.device)
+        part_ml = torch.zeros(splits, num_tokens, num_heads, 2, dtype=torch.float32, device=query.device)
+        part_ml[..., 0] = float("-inf")
+    else:
+        part_out = part_ml = out  # unused
+    grid = (group_rows.shape[0], num_kv_heads, triton.cdiv(rows_per_group, block_m) * splits)
     _packed_attention_kernel[grid](
         query, keys, values, out,
         token_positions, group_rows, group_first_token, group_counts,
@@ -156,14 +184,47 @@ def packed_attention(
         group_rows if group_tree_start is None else group_tree_start,
         group_rows if group_sink_end is None else group_sink_end,
         group_rows if group_window_start is None else group_window_start,
+        part_out, part_ml,
         query.stride(0), query.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         out.stride(0), out.stride(1),
+        num_tokens * num_heads, num_heads, 1,
         scaling, sliding_window or 0,
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=64, IEEE=query.dtype == torch.float32, TREE=tree_mask is not None,
-        SPARSE=group_window_start is not None,
+        SPARSE=group_window_start is not None, SPLITS=splits,
         num_warps=4,
     )
+    if splits > 1:
+        out.copy_(combine_shares(part_out[..., :head_dim], part_ml))
     return out
+
+
+SPLIT_BUFFER_BYTES = 256 * 1024**2  # a pass whose shares would need more (a long prefill) runs unsplit
+MIN_SHARE = 512  # keys a share should have at least, in a row of the cache's full length
+
+
+def combine_shares(part_out: torch.Tensor, part_ml: torch.Tensor) -> torch.Tensor:
+    """part_out [S, N, H, D] unnormalised outputs and part_ml [S, N, H, 2] running max and sum of
+    S shares of each row's keys -> the attention output [N, H, D] (float32). A share that saw no
+    key has max -inf and sum 0; a query no share processed (graph filler) gets zeros."""
+    maxima, sums = part_ml[..., 0], part_ml[..., 1]  # [S, N, H]
+    top = maxima.amax(dim=0)  # [N, H]
+    weights = torch.exp(maxima - torch.where(torch.isinf(top), 0.0, top))  # [S, N, H]; -inf -> 0
+    total = (weights * sums).sum(dim=0)  # [N, H]
+    return (weights[..., None] * part_out).sum(dim=0) / torch.where(total == 0, 1.0, total)[..., None]
+
+
+def split_count(max_rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Shares per (row, KV head) for a runner's passes: enough programs to fill the GPU twice over
+    when rows are few, each share at least MIN_SHARE keys of a full-length row; a power of two.
+    One count per runner (not per pass): every bucket of its graphs then sums in the same order."""
+    if device.type != "cuda":
+        return 1
+    processors = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = max(1, max_rows * kv_heads)
+    splits = 1
+    while programs * splits * 2 <= 2 * processors and max_len // (splits * 2) >= MIN_SHARE:
+        splits *= 2
+    return splits

@@ -65,6 +65,32 @@ def test_fast_equals_reference(dtype, tolerance, heads, kv_heads, head_dim, kind
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kv_splits", [2, 8])
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_split_kv_shares_equal_reference(kind, kv_splits):
+    """Split-KV (flash-decoding) shares, combined, give the reference's output."""
+    rng = np.random.default_rng(kv_splits)
+    counts = LAYOUTS[kind](rng).astype(np.int64)
+    rows = np.arange(len(counts))
+    starts = rng.integers(0, 3000, size=len(counts))
+    layout = PackedLayout(rows=rows, starts=starts, counts=counts)
+    max_len = int((starts + counts).max()) + 5
+    generator = torch.Generator(device="cuda").manual_seed(kv_splits)
+    randn = lambda *shape: torch.randn(*shape, generator=generator, device="cuda", dtype=torch.float32)  # noqa: E731
+    history = (randn(len(counts), 2, max_len, 64), randn(len(counts), 2, max_len, 64))
+    n = layout.num_tokens
+    query, key, value = randn(1, 8, n, 64), randn(1, 2, n, 64), randn(1, 2, n, 64)
+    outputs = []
+    for backend, splits in ((reference_attention, 1), (fast_attention, kv_splits)):
+        cache = KVCache(1, len(counts), max_len)
+        cache.keys[0], cache.values[0] = history[0].clone(), history[1].clone()
+        meta = packed_metadata(layout, cache, query.device, backend, kv_splits=splits)
+        outputs.append(backend(types.SimpleNamespace(layer_idx=0), query, key, value, meta, 64 ** -0.5, None))
+    error = (outputs[1] - outputs[0]).norm() / outputs[0].norm()
+    assert torch.isfinite(outputs[1]).all() and error < 2e-5
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("drafter_kind", ["model", "lookup"])
 def test_generation_with_the_fast_backend_equals_hugging_face(arch, drafter_kind):

@@ -1,7 +1,8 @@
 """Static sparse attention (sink + window, runner.SparseLayout): the reference backend equals a
 per-query loop over the keys the rule names; the fast kernel equals the reference on random
-ragged rows with windows shorter and longer than the rows, and never reads a value outside the
-sink and the window."""
+ragged rows with windows shorter and longer than the rows, unsplit and in split-KV shares, and
+never reads a value outside the sink and the window. (experiments/kernel_on_cpu.py runs the same
+kernel under Triton's interpreter on a CPU.)"""
 
 import types
 
@@ -15,8 +16,8 @@ from specdec.runner import ModelRunner, PackedLayout, SparseLayout, packed_metad
 from tests.tiny import make_model
 
 
-def run_backend(backend, layout, cache, query, key, value, sparse, window=None):
-    meta = packed_metadata(layout, cache, query.device, backend, sparse=sparse)
+def run_backend(backend, layout, cache, query, key, value, sparse, window=None, kv_splits=1):
+    meta = packed_metadata(layout, cache, query.device, backend, sparse=sparse, kv_splits=kv_splits)
     return backend(types.SimpleNamespace(layer_idx=0), query, key, value, meta, query.shape[-1] ** -0.5, window)
 
 
@@ -108,8 +109,9 @@ def test_bad_sparse_layouts_are_refused():
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (32, 8, 128), (6, 2, 80)])
 @pytest.mark.parametrize("kind", ["decode", "draft block", "prefill"])
 @pytest.mark.parametrize("sink,window", [(1, 64), (16, 100), (0, 7), (4, 5000)])
+@pytest.mark.parametrize("kv_splits", [1, 4])
 def test_fast_sparse_equals_reference_and_reads_nothing_else(dtype, tolerance, heads, kv_heads, head_dim, kind, sink,
-                                                              window):
+                                                              window, kv_splits):
     counts = {"decode": [1] * 12, "draft block": [1, 6, 3, 5, 2, 4], "prefill": [150, 37, 260]}[kind]
     rng, layout, history, qkv = random_pass(hash((heads, kind, sink, window)) % 2**31, counts, dtype=dtype,
                                             device="cuda", heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -122,7 +124,7 @@ def test_fast_sparse_equals_reference_and_reads_nothing_else(dtype, tolerance, h
     for row, start, window_start in zip(layout.rows, layout.starts, sparse.window_starts):
         for cache in (poisoned.keys[0], poisoned.values[0]):
             cache[row, :, min(sink, window_start):window_start] = float("nan")
-    actual = run_backend(fast_attention, layout, poisoned, *qkv, sparse)
+    actual = run_backend(fast_attention, layout, poisoned, *qkv, sparse, kv_splits=kv_splits)
     assert torch.isfinite(actual).all()
     error = (actual.float() - expected.float()).norm() / expected.float().norm()
     assert error < tolerance
