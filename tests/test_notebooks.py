@@ -39,3 +39,20 @@ def test_trees_notebook_runs(tmp_path, monkeypatch):
     # the table's header (the targets also say "best chain", so look for the line that has both)
     assert any("best chain" in line and "tree/chain" in line for line in outputs.splitlines())
     assert any("image/png" in o.get("data", {}) for c in notebook.cells for o in c.get("outputs", []))
+
+
+def test_long_context_notebook_runs(tiny_zoo_root, tmp_path, monkeypatch):
+    """On a tiny-zoo smoke run of the long-context bench (the committed GPU results are drawn the same way)."""
+    from specdec.bench.long_context import main
+
+    results = tmp_path / "results"
+    assert main(["--preset", "tiny", "--device", "cpu", "--contexts", "64,160", "--batch-sizes", "1,3", "--ks", "2",
+                 "--max-new-tokens", "6", "--table-context", "64", "--zoo-dir", str(tiny_zoo_root / "tiny"),
+                 "--out", str(results)]) == 0
+    monkeypatch.setenv("SPECDEC_LONG_CONTEXT_RESULTS", str(results))
+    root = Path(__file__).resolve().parents[1]
+    notebook = nbformat.read(root / "notebooks" / "04_long_context.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
+    assert "SPIReDrafter" in outputs and "tau" in outputs and "MagicDec's regime" in outputs
+    assert any("image/png" in o.get("data", {}) for c in notebook.cells for o in c.get("outputs", []))
