@@ -4,7 +4,7 @@
     python -m specdec bench [--quick] [--parts zoo,bandwidth,trees] [--preset gpu] [--out benchmarks/results]
     python -m specdec bench --policies [--quick] [--preset gpu] [--time-limit-s S] [--out benchmarks/results]
     python -m specdec bench --long-context [--contexts 1024,4096,16384] [--batch-sizes 1,16,64] [--ks 2,3,4,5,6]
-    python -m specdec zoo build --preset cpu|gpu|tiny [--out DIR] [--force]
+    python -m specdec zoo build --preset cpu|gpu|gpu-long|tiny [--out DIR] [--force]
     python -m specdec zoo prompts --preset cpu --out prompts.jsonl [--count N] [--tokens T]
 """
 
