@@ -4,7 +4,8 @@ on random ragged passes (float32). For developing the kernel on a machine withou
 
     pip install triton==3.6.0 && TRITON_INTERPRET=1 python experiments/kernel_on_cpu.py
 
-(Triton 3.6's interpreter turns loop bounds into ints with int() of a 1-element array, which
+The interpreter computes tl.dot with numpy, so it checks values, not bitwise properties (those
+are checked on the GPU: tests/test_sparse_attention.py). (Triton 3.6's interpreter turns loop bounds into ints with int() of a 1-element array, which
 numpy 2 refuses; where it does, change `int(self.handle.data)` to
 `int(self.handle.data.reshape(-1)[0])` in triton/runtime/interpreter.py.)
 """

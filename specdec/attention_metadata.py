@@ -41,6 +41,7 @@ class AttentionMetadata:
     group_sink_end: torch.Tensor | None = None  # [G] keys below this slot are sinks
     group_window_start: torch.Tensor | None = None  # [G] first slot of the group's window (0: the whole row)
     kv_splits: int = 1  # host: programs per (row, KV head) in the fast kernel, each a share of the keys
+    role: str = ""  # host: the role of the runner running the pass (runner_for), for hooks that act in some only
 
     def on(self, device: torch.device) -> "AttentionMetadata":
         """The same description with its tensors on ``device``, made once per device: a model

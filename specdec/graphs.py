@@ -104,6 +104,7 @@ class GraphedForward:
             group_sink_end=self.group_sink_end[:num_groups],
             group_window_start=self.group_window_start[:num_groups],
             kv_splits=runner.kv_splits,
+            role=runner.role,
         )
 
     def _groups_for(self, bucket: int) -> int:

@@ -255,6 +255,11 @@ def check_trees(drafters: list[Drafter], verifier, max_draft_tokens: int) -> Non
     growing = [f"drafter {i} ({d.describe()})" for i, d in enumerate(drafters) if d.makes_trees]
     if not growing:
         return
+    observing = [f"drafter {i} ({d.describe()})" for i, d in enumerate(drafters) if d.target_hidden_layers()]
+    if observing:
+        raise ValueError(f"{observing[0]} reads the target's activations from chain verifications, which a token "
+                         f"tree from {growing[0]} would replace with tree passes it cannot read: use them in separate "
+                         "calls, or give the tree drafter no TreeSpec")
     if not getattr(verifier, "verifies_trees", False):
         raise ValueError(f"{growing[0]} proposes token trees, which {type(verifier).__name__} cannot verify: pass "
                          "verifier=TreeVerifier()")

@@ -209,7 +209,7 @@ def _bidirectional_attention(model) -> str | None:
 
 def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, backend,
                     tree: TreeLayout | None = None, sparse: SparseLayout | None = None,
-                    kv_splits: int = 1) -> AttentionMetadata:
+                    kv_splits: int = 1, role: str = "") -> AttentionMetadata:
     """Device-side description of a packed pass, shared by every attention layer."""
     counts = layout.counts
     offsets = layout.offsets()
@@ -238,6 +238,7 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
         group_sink_end=None if sparse is None else to_device_int(np.minimum(sparse.sink, sparse.window_starts)),
         group_window_start=None if sparse is None else to_device_int(sparse.window_starts),
         kv_splits=kv_splits,
+        role=role,
     )
 
 
@@ -349,7 +350,7 @@ def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str 
         if old is not None:
             old.release()  # now, not whenever the garbage collector gets to it (maybe mid-capture)
         runner = ModelRunner(model, max_rows=max_rows, max_len=max_len, attention=attention,
-                             hidden_layers=hidden_layers)
+                             hidden_layers=hidden_layers, role=role)
         if graph_shape is not None:
             runner.enable_graphs(*graph_shape, compile=compile)
         runners[role] = runner
@@ -358,8 +359,9 @@ def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str 
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, *, max_rows: int, max_len: int, attention: str = "reference",
-                 hidden_layers: tuple[int, ...] = ()):
+                 hidden_layers: tuple[int, ...] = (), role: str = ""):
         check_supported(model)
+        self.role = role  # what runner_for kept it as ("target", "drafter-0", ...), in every pass's metadata
         if attention not in BACKENDS:
             raise ValueError(f"unknown attention backend {attention!r}; choose one of {sorted(BACKENDS)}")
         self.model = model
@@ -435,8 +437,8 @@ class ModelRunner:
         """Whether this runner can serve a call of that size (so its cache and graphs are reused)."""
         if self.max_rows < max_rows or self.cache.max_len < max_len or self.attention != attention:
             return False
-        if tuple(sorted(set(hidden_layers))) != (() if self.tap is None else self.tap.layers):
-            return False  # hooks are part of captured graphs: a runner keeps exactly what was asked
+        if not set(hidden_layers) <= set(() if self.tap is None else self.tap.layers):
+            return False  # hooks are part of captured graphs: a runner keeps at least what is asked
         if self.weights_fingerprint != weights_fingerprint(self.model):
             return False  # moved, cast or reloaded since: graphs would replay over stale weights
         if graph_shape is None:
@@ -500,7 +502,7 @@ class ModelRunner:
             self._observe(layout, tree, sparse)
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
-        meta = packed_metadata(layout, self.cache, self.device, self.backend, tree, sparse, self.kv_splits)
+        meta = packed_metadata(layout, self.cache, self.device, self.backend, tree, sparse, self.kv_splits, self.role)
         keep = 0 if logits_indices is None else to_device(logits_indices, self.keep_device)
         position_ids = meta.token_positions if tree is None else tree.positions
         if self.max_position_id is not None:

@@ -10,9 +10,11 @@ position in its group plus one, from the window's start when there is one): neve
 One program per (group, KV head, block of query rows, share of the keys); a block's query rows
 are the group's tokens times the query heads that share the KV head (grouped-query attention),
 so decode steps with one to a few tokens per row still fill a matrix-unit tile. With few rows,
-each row's keys are read in ``kv_splits`` block-aligned shares by as many programs
-(flash-decoding), whose partial results ``combine_shares`` merges; a runner uses one count for
-every pass (``split_count``), so its graphs' buckets all sum in the same order. Online softmax in
+each row's keys are read in ``kv_splits`` shares by as many programs (flash-decoding; key
+block b goes to share b mod kv_splits), whose partial results ``combine_shares`` merges. A
+runner uses one count for every pass (``split_count``), and the blocks' assignment does not
+depend on the pass's other queries, so a query's output is the same bitwise whether it is
+decoded alone or verified in a group, and in every graph bucket. Online softmax in
 float32; float32 inputs use IEEE products (no TF32), so greedy decoding stays exact.
 """
 
@@ -116,14 +118,13 @@ def _packed_attention_kernel(
                                               window, BLOCK_N, IEEE, TREE)
             lower = tl.load(group_window_start_ptr + group)
             kv_start = tl.maximum(kv_start, lower // BLOCK_N * BLOCK_N)
-        # the keys from kv_start on, in SPLITS block-aligned shares (flash-decoding); one share without splits
-        share = (tl.maximum(kv_len - kv_start, 0) + SPLITS - 1) // SPLITS
-        chunk = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        share_start = kv_start + split * chunk
-        share_end = tl.minimum(share_start + chunk, kv_len)
-        for start_n in range(share_start, share_end, BLOCK_N):
+        # the key blocks from kv_start on, block b to share b % SPLITS (flash-decoding): by absolute block
+        # index, so a query's sum runs in one order whatever the other queries of its pass (blocks
+        # past its own slot add exact zeros)
+        first = kv_start + ((split - kv_start // BLOCK_N) % SPLITS + SPLITS) % SPLITS * BLOCK_N
+        for start_n in range(first, kv_len, BLOCK_N * SPLITS):
             m_i, l_i, acc = _attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, stride_k_pos, stride_v_pos,
-                                          offs_d, valid_d, start_n, lower, share_end, tree_mask, tree_start, scale,
+                                          offs_d, valid_d, start_n, lower, kv_len, tree_mask, tree_start, scale,
                                           window, BLOCK_N, IEEE, TREE)
         if SPLITS == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -66,11 +66,13 @@ def test_bad_layer_indices_and_unsupported_decoders_are_refused():
         HiddenStateTap(make_model("gpt_neox"), (0,))
 
 
-def test_a_runner_keeps_exactly_the_states_asked_for():
+def test_a_runner_keeping_states_serves_calls_that_ask_for_fewer_and_is_rebuilt_for_more():
     model = make_model("llama", num_layers=2)
     first = runner_for(model, role="target", max_rows=2, max_len=16, hidden_layers=(1,))
     assert runner_for(model, role="target", max_rows=2, max_len=16, hidden_layers=(1,)) is first
-    assert runner_for(model, role="target", max_rows=2, max_len=16).tap is None
+    assert runner_for(model, role="target", max_rows=2, max_len=16) is first
+    wider = runner_for(model, role="target", max_rows=2, max_len=16, hidden_layers=(0, 1))
+    assert wider is not first and wider.tap.layers == (0, 1)
 
 
 @pytest.mark.cuda

@@ -149,3 +149,28 @@ def test_fast_sparse_with_a_model_window_or_tree_masks_equals_reference(with_tre
         results.append(backend(types.SimpleNamespace(layer_idx=0), *qkv, meta, 8 ** -0.5, None if with_tree else 20))
     error = (results[1] - results[0]).norm() / results[0].norm()
     assert torch.isfinite(results[1]).all() and error < 2e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_query_alone_and_in_a_verify_group_gets_the_same_output_bitwise(dtype, kv_splits):
+    """Split-KV shares are assigned by absolute key block, so a query's sum does not depend on the
+    other queries of its pass: decoding a token and verifying it inside a group agree bitwise."""
+    # two query heads a KV head: one token (2 rows) and five (10) both fill one 16-row block
+    rng, layout, history, qkv = random_pass(6, [5], dtype=dtype, device="cuda", heads=4, kv_heads=2, head_dim=64,
+                                            max_start=3000)
+    cache = fresh_cache(history, 3, history[0].shape[2])
+    full = packed_metadata(layout, cache, qkv[0].device, fast_attention, kv_splits=kv_splits)
+    cache.write(0, full.token_rows, full.token_positions, qkv[1][0], qkv[2][0])  # all five keys, in both cases
+    from specdec.triton_attention import packed_attention
+
+    outputs = []
+    for first in (4, 0):  # the last query alone, then all five
+        sub = PackedLayout(rows=layout.rows, starts=layout.starts + first, counts=layout.counts - first)
+        meta = packed_metadata(sub, cache, qkv[0].device, fast_attention, kv_splits=kv_splits)
+        outputs.append(packed_attention(qkv[0][0][:, first:].transpose(0, 1), cache.keys[0], cache.values[0],
+                                        meta.token_positions, meta.group_rows, meta.group_first_token,
+                                        meta.group_counts, meta.max_group_tokens, 0.125, kv_splits=kv_splits)[-1])
+    assert layout.starts[0] + 5 > 64 * kv_splits  # the row spans every share
+    assert torch.equal(outputs[0], outputs[1])

@@ -24,6 +24,8 @@ class Drafter(ABC):
     vocab_size: int | None = None
     #: its token-tree spec (drafters/tree.py), or None when it proposes chains
     tree = None
+    #: whether it drafts from the target's runner (bind_target): its cache, weights or activations
+    reads_target = False
 
     @property
     def makes_trees(self) -> bool:

@@ -38,16 +38,19 @@ from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs, 
 MAX_CATCH_UP_PASSES = 4  # graphed passes a lagging catch-up may take before one eager pass does it
 
 
-def _free_drafter_role(model) -> str:
+def _free_drafter_role(model, prefix: str = "drafter") -> str:
     """The first drafter runner of ``model`` that no drafter holds now ("drafter-0", "drafter-1",
     ...): a new ModelDrafter per call reuses the model's runner (and its graphs) instead of adding
-    one, and two drafters of one model in the same call still get a cache each."""
+    one, and two drafters of one model in the same call still get a cache each. Drafters that
+    change what a pass computes (SPIRe's memory writes) keep runners of their own ``prefix``."""
     runners = runners_of(model)
-    return next(role for role in (f"drafter-{i}" for i in itertools.count())
+    return next(role for role in (f"{prefix}-{i}" for i in itertools.count())
                 if not getattr(runners.get(role), "in_use", False))
 
 
 class ModelDrafter(Drafter):
+    role_prefix = "drafter"  # its runners' roles: drafter-0, drafter-1, ...
+
     def __init__(self, model, attention: str = "auto", cuda_graphs: bool | str = False, compile: bool = False,
                  tree: TreeSpec | None = None):
         """attention, cuda_graphs and compile as for generate(): attention "auto" is the fast
@@ -91,12 +94,11 @@ class ModelDrafter(Drafter):
         self.sampling = sampling
         group = self._graph_group()
         graph_shape = (group, group * batch.num_rows) if self.cuda_graphs else None
-        self.runner_role = _free_drafter_role(self.model)
+        self.runner_role = _free_drafter_role(self.model, self.role_prefix)
         # a tree's expansion writes (depth - 1) * branching nodes past the row, which may exceed the budget
         reach = max_draft_tokens if self.tree is None else max(max_draft_tokens, (self.tree.depth - 1) * self.tree.branching)
         self._runner = runner_for(self.model, role=self.runner_role, max_rows=batch.num_rows, max_len=batch.max_total_len + reach + 1,
-                                  attention=self.attention, graph_shape=graph_shape, compile=self.compile,
-                                  hidden_layers=self._own_hidden_layers())
+                                  attention=self.attention, graph_shape=graph_shape, compile=self.compile)
         self._runner.cache.lengths[:] = 0  # a reused runner: nothing cached is valid for this batch
         self._runner.in_use = True
         self._attached = self._runner.attached()
@@ -109,10 +111,6 @@ class ModelDrafter(Drafter):
         passes ``branching`` a row, and after a tree step the catch-up feeds the accepted path and
         the new token (the fed nodes are not kept): up to depth + 1."""
         return 2 if self.tree is None else max(2, self.tree.branching, self.tree.depth + 1)
-
-    def _own_hidden_layers(self) -> tuple[int, ...]:
-        """Hidden states of its own passes the drafter reads (none here)."""
-        return ()
 
     def finish(self) -> None:
         if self._attached is not None:

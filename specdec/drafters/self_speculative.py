@@ -35,12 +35,10 @@ class SelfSpeculativeDrafter(ModelDrafter):
         """sink: the first positions every draft query sees (MagicDec: 16); window: the last
         committed positions it sees (MagicDec: about 512). The model is the target given to
         generate(); the draft runs with the target's attention backend and CUDA graphs."""
-        for name, value in (("sink", sink), ("window", window)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if sink + window == 0:
-            raise ValueError("sink and window are both 0: the draft would see no committed token; "
-                             "give a window (MagicDec used sink=16, window=512)")
+        for name, value, least in (("sink", sink, 0), ("window", window, 1)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r} (MagicDec used sink=16, window=512; "
+                                 "the window holds at least the last committed token)")
         self.sink, self.window = int(sink), int(window)
         self.tree = None
         self.model = None
@@ -48,11 +46,15 @@ class SelfSpeculativeDrafter(ModelDrafter):
         self._runner = None
         self._attached = None
         self.runner_role = "target"
+        self.attention = self.cuda_graphs = self.compile = None  # the target runner's, once bound
+
+    reads_target = True
 
     def bind_target(self, runner) -> None:
         self._runner = runner
         self.model = runner.model
         self.vocab_size = vocab_size_of(runner.model)
+        self.attention, self.cuda_graphs = runner.attention, runner.graphs is not None
 
     def models(self) -> list[torch.nn.Module]:
         return []  # the target, whose runner generate() already holds

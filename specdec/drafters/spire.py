@@ -31,10 +31,13 @@ from ..batch import BatchState
 from ..runner import PackedLayout, SparseLayout
 from ..transfer import to_device
 from .model import ModelDrafter
-from .spire_model import SpireDraft
+from .spire_model import SPIRE_ROLE, SpireDraft
 
 
 class SPIReDrafter(ModelDrafter):
+    role_prefix = SPIRE_ROLE  # runners of its own: their passes end with the memory writes
+    reads_target = True
+
     def __init__(self, draft: SpireDraft, attention: str = "auto", cuda_graphs: bool | str = False):
         """draft: a SpireDraft built from the target it drafts for (SpireDraft.from_target, or the
         zoo's); attention and cuda_graphs as for generate()."""

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 from ..runner import UnsupportedModelError
 
 CONFIG_NAME = "spire.json"
+SPIRE_ROLE = "spire"  # the runner roles (spire-0, ...) whose passes get the memory writes
 WEIGHTS_NAME = "spire.safetensors"
 
 
@@ -98,8 +99,9 @@ class SpireDraft(torch.nn.Module):
         config.num_hidden_layers = num_blocks
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = [config.layer_types[j] for j in sources]
-        torch.manual_seed(seed)
-        model = type(target)(config).to(device=target.device, dtype=target.dtype)
+        with torch.random.fork_rng(devices=[]):  # random blocks (the ablation) without touching the caller's RNG
+            torch.manual_seed(seed)
+            model = type(target)(config).to(device=target.device, dtype=target.dtype)
         with torch.no_grad():
             model.model.embed_tokens.load_state_dict(target.model.embed_tokens.state_dict())
             model.model.norm.load_state_dict(target.model.norm.state_dict())
@@ -165,11 +167,12 @@ class SpireDraft(torch.nn.Module):
         return cos.reshape(shape).to(like.dtype), sin.reshape(shape).to(like.dtype)
 
     def install_memory_writer(self) -> None:
-        """Hook the draft LM so that every pass it runs through a specdec runner ends by writing
-        each fed token's memory keys and values over the ones its blocks wrote (the block inputs
-        and the last block's output, mixed by ``memory_mix``). The writes are GPU work inside the
-        pass, so CUDA graphs capture them with it. Passes without specdec's metadata (training,
-        Hugging Face's own forward) and drafts without feedback are left alone. Idempotent."""
+        """Hook the draft LM so that every pass it runs through a SPIRe runner (role spire-N, the
+        SPIReDrafter's) ends by writing each fed token's memory keys and values over the ones its
+        blocks wrote (the block inputs and the last block's output, mixed by ``memory_mix``). The
+        writes are GPU work inside the pass, so CUDA graphs capture them with it. Other passes
+        (another drafter's runner on the same model, training, Hugging Face's own forward) and
+        drafts without feedback are left alone. Idempotent."""
         if getattr(self, "_memory_hooks", None):
             return
         from ..attention_metadata import METADATA_KWARG
@@ -186,7 +189,7 @@ class SpireDraft(torch.nn.Module):
 
         def write_memory(module, args, kwargs):
             meta = kept.pop("meta", None)  # once: a later norm call outside a pass (training) finds none
-            if meta is None or not self.feedback:
+            if meta is None or not meta.role.startswith(SPIRE_ROLE) or not self.feedback:
                 return
             last = (args[0] if args else kwargs["hidden_states"])[0]  # [N, hidden], the last block's output
             states = torch.stack([kept[i] for i in range(self.num_blocks)] + [last], dim=1)  # [N, blocks + 1, hidden]
@@ -217,9 +220,9 @@ class SpireDraft(torch.nn.Module):
         sink, window = self.sink, self.window
         sink_slots = torch.arange(sink, device=device).expand(len(starts), sink)  # [S, sink]
         window_slots = starts[:, None] - window + torch.arange(window, device=device)  # [S, W]
-        context = torch.cat([sink_slots, window_slots], dim=1).clamp(min=0)  # [S, C]
-        context_seen = torch.cat([sink_slots < starts[:, None], window_slots >= max(sink, 0)], dim=1)  # [S, C]
-        context_seen &= torch.cat([sink_slots >= 0, window_slots >= 0], dim=1)
+        context = torch.cat([sink_slots, window_slots], dim=1).clamp(0, input_ids.shape[1] - 1)  # [S, C]
+        # a sink slot before the block, a window slot past the sink (not twice) and in the text
+        context_seen = torch.cat([sink_slots < starts[:, None], (window_slots >= sink) & (window_slots >= 0)], dim=1)
         memory_keys, memory_values = [], []  # per block: [B, S, C + i, Hkv, D]
         for block, source in enumerate(self.source_layers):
             keys, values = self.keys_values(block, target_hidden[source][:, context], context.expand(batch, -1, -1))

@@ -381,6 +381,10 @@ def profile(target, drafters: Sequence = (), device=None, grid: ProfileGrid | No
     (module docstring)."""
     from ..runner import models_in_use
 
+    reading = [d.describe() for d in drafters if d.reads_target]
+    if reading:
+        raise ValueError(f"profile() times each drafter on its own, but {reading[0]} drafts from the target's cache "
+                         "and activations: time it inside generate() instead (out.stats.draft_time_s)")
     # calls sharing these models (generate(), another profile) wait their turn
     with models_in_use([target, *(model for d in drafters for model in d.models())]):
         return _profile(target, drafters, device, grid, attention, cuda_graphs, compile, step_overhead)

@@ -1,6 +1,7 @@
 """SPIRe's performance model (bench/roofline.py) on hand-computed cases."""
 
 import pytest
+import torch
 
 from specdec.bench.roofline import Hardware, PassCost, modelled_speedup, multiplier
 from tests.tiny import make_model
@@ -32,7 +33,7 @@ def test_a_free_sparse_draft_at_long_context_gives_about_tau():
 
 
 def test_costs_of_a_transformers_model():
-    model = make_model("llama", vocab_size=96, num_layers=2, hidden=32, dtype=__import__("torch").float32)
+    model = make_model("llama", vocab_size=96, num_layers=2, hidden=32, dtype=torch.float32)
     cost = PassCost.of_model(model)
     params = sum(p.numel() for p in model.parameters()) - 96 * 32  # the embedding is gathered
     assert cost.weight_bytes == 4 * params and cost.flops_per_token == 2 * params

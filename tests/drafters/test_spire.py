@@ -19,8 +19,8 @@ from tests.tiny import cached_model, device_params, make_model, random_prompts
 class RecordingSPIRe(SPIReDrafter):
     """Keeps every draft pass: the committed tokens of each row, the fed tokens and the logits."""
 
-    def __init__(self, draft):
-        super().__init__(draft)
+    def __init__(self, draft, cuda_graphs=False):
+        super().__init__(draft, cuda_graphs=cuda_graphs)
         self.passes = []
 
     def _pass(self, batch, tokens, rows, slots):
@@ -33,7 +33,7 @@ class RecordingSPIRe(SPIReDrafter):
 
 def target_states(target, tokens):
     with torch.no_grad():
-        out = target(torch.tensor([tokens]), output_hidden_states=True)
+        out = target(torch.tensor([tokens], device=target.device), output_hidden_states=True)
     return out.logits[0], {j: h for j, h in enumerate(out.hidden_states[:-1])}
 
 
@@ -65,15 +65,19 @@ def test_with_every_block_a_full_window_and_target_memory_the_first_draft_is_the
     torch.testing.assert_close(unrolled[0, :, 0], logits[starts], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("feedback", [True, False])
-def test_the_runners_drafting_is_the_training_forward(feedback):
+@pytest.mark.parametrize("sink,window,feedback,verifier_class,temperature", [
+    (1, 3, True, PaddingFreeVerifier, 0.0), (1, 3, False, PaddingFreeVerifier, 0.0),
+    (4, 2, True, PaddedVerifier, 1.0),  # the sink reaching past the window's start
+    (0, 3, True, PaddingFreeVerifier, 1.0), (3, 1, False, PaddedVerifier, 0.0)])
+def test_the_runners_drafting_is_the_training_forward(sink, window, feedback, verifier_class, temperature):
     """Every draft pass of a call (first steps and later ones, whose context the target's
     verification projected) equals SpireDraft.unrolled_logits on the same tokens."""
     target = make_model("llama", num_layers=3)
-    draft = randomised(SpireDraft.from_target(target, sink=1, window=3, feedback=feedback), seed=3)
+    draft = randomised(SpireDraft.from_target(target, sink=sink, window=window, feedback=feedback), seed=3)
     drafter = RecordingSPIRe(draft)
     prompts = random_prompts(3, 96, seed=7, min_len=6, max_len=20)
-    generate(target, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=10)
+    generate(target, prompts, drafter=drafter, verifier=verifier_class(), policy=FixedPolicy(3), max_new_tokens=10,
+             sampling=SamplingParams(temperature=temperature))
     blocks: dict = {}  # (row's committed tokens) -> fed tokens and logits, in order
     for committed, slot, token, logits in drafter.passes:
         blocks.setdefault(tuple(committed), []).append((token, logits))
@@ -134,6 +138,53 @@ def test_the_ablations_change_the_draft():
     assert not torch.allclose(results["full"], results["random init"])
 
 
+def test_a_text_shorter_than_the_sink_trains():
+    target = make_model("llama", num_layers=4)
+    tokens = [3, 9, 4]
+    _, hidden = target_states(target, tokens)
+    logits = SpireDraft.from_target(target, sink=4, window=2).unrolled_logits(torch.tensor([tokens]), hidden,
+                                                                              torch.tensor([0]), 3)
+    assert logits.shape == (1, 1, 3, 96) and torch.isfinite(logits).all()
+
+
+def test_the_memory_writes_stay_out_of_other_drafters_passes_over_the_same_model():
+    """A ModelDrafter over the SPIRe draft's LM (a vanilla baseline) drafts the same before and
+    after a SPIReDrafter has used it: the memory writes belong to SPIRe's own runners."""
+    from specdec.drafters import ModelDrafter
+
+    target = make_model("llama", num_layers=4)
+    draft = randomised(SpireDraft.from_target(target, window=4), seed=5)
+    prompts = random_prompts(4, 96, seed=9, min_len=6, max_len=20)
+    vanilla = lambda: generate(target, prompts, drafter=ModelDrafter(draft.model), policy=FixedPolicy(3),  # noqa: E731
+                               max_new_tokens=12).stats.accepted_by_position
+    before = vanilla()
+    generate(target, prompts, drafter=SPIReDrafter(draft), policy=FixedPolicy(3), max_new_tokens=12)
+    assert vanilla() == before
+
+
+def test_a_target_reading_drafter_beside_a_tree_drafter_is_refused():
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.tree import TreeSpec
+    from specdec.verifiers import TreeVerifier
+    from tests.tiny import perturbed_copy
+
+    target = make_model("llama", num_layers=4)
+    trees = ModelDrafter(perturbed_copy(target, 0.1), tree=TreeSpec(depth=3, branching=2))
+    with pytest.raises(ValueError, match="reads the target's activations from chain verifications"):
+        generate(target, [[1, 2, 3]], drafter=[SPIReDrafter(SpireDraft.from_target(target)), trees],
+                 verifier=TreeVerifier(), max_new_tokens=4)
+
+
+def test_profile_says_it_cannot_time_drafters_that_read_the_target():
+    from specdec.drafters import SelfSpeculativeDrafter
+    from specdec.policies import profile
+
+    target = make_model("llama", num_layers=4)
+    for drafter in (SPIReDrafter(SpireDraft.from_target(target)), SelfSpeculativeDrafter()):
+        with pytest.raises(ValueError, match="time it inside generate"):
+            profile(target, [drafter])
+
+
 def test_bad_drafts_and_targets_are_refused():
     with pytest.raises(UnsupportedModelError, match="not Llama-like"):
         SpireDraft.from_target(make_model("gpt_neox"))
@@ -147,12 +198,22 @@ def test_bad_drafts_and_targets_are_refused():
 
 
 @pytest.mark.cuda
-def test_graphed_drafting_equals_hugging_face_greedy():
-    target = make_model("llama", num_layers=4, dtype=torch.float32, device="cuda")
-    prompts = random_prompts(6, 96, seed=9, min_len=8, max_len=40)
-    out = generate(target, prompts, drafter=SPIReDrafter(SpireDraft.from_target(target, window=5), cuda_graphs=True),
-                   policy=FixedPolicy(3), max_new_tokens=20, cuda_graphs=True)
+def test_graphed_drafting_is_the_training_forward_and_the_output_the_targets():
     from tests.tiny import hf_greedy
 
+    target = make_model("llama", num_layers=4, dtype=torch.float32, device="cuda")
+    prompts = random_prompts(6, 96, seed=9, min_len=8, max_len=40)
+    drafter = RecordingSPIRe(randomised(SpireDraft.from_target(target, window=5)), cuda_graphs=True)
+    out = generate(target, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, cuda_graphs=True)
     assert out.sequences == [hf_greedy(target, p, 20) for p in prompts]
     assert 0 < out.stats.accepted < out.stats.drafted
+    assert drafter._runner is None and drafter.runner_role.startswith("spire")
+    blocks: dict = {}
+    for committed, slot, token, logits in drafter.passes:
+        blocks.setdefault(tuple(committed), []).append((token, logits))
+    for committed, fed in list(blocks.items())[:8]:
+        tokens = list(committed) + [token for token, _ in fed[1:]]
+        _, hidden = target_states(target, tokens)
+        unrolled = drafter.draft.unrolled_logits(torch.tensor([tokens], device="cuda"), hidden,
+                                                 torch.tensor([len(committed) - 1], device="cuda"), len(fed))
+        torch.testing.assert_close(unrolled[0, 0], torch.stack([logits for _, logits in fed]), rtol=1e-3, atol=1e-3)
