@@ -311,7 +311,8 @@ def models_in_use(models: Iterable[torch.nn.Module]) -> Iterator[None]:
 
 
 RUNNERS_ATTRIBUTE = "_specdec_runners"
-LENGTH_QUANTUM = 256  # cache lengths round up to this, so slightly longer calls reuse the runner
+LENGTH_QUANTUM = 256  # cache lengths round up to this on a GPU, so slightly longer calls reuse the runner
+CPU_LENGTH_QUANTUM = 32  # on a CPU, where zero-filling a cache of many rows costs more than rebuilding it
 
 
 class KeptRunners(dict):
@@ -343,7 +344,8 @@ def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str 
     hidden_layers: hidden states to keep from every pass (hidden_states.HiddenStateTap).
     """
     runners = runners_of(model)
-    max_len = -(-max_len // LENGTH_QUANTUM) * LENGTH_QUANTUM
+    quantum = LENGTH_QUANTUM if device_of(model).type == "cuda" else CPU_LENGTH_QUANTUM
+    max_len = -(-max_len // quantum) * quantum
     runner = runners.get(role)
     if runner is None or not runner.covers(max_rows, max_len, attention, graph_shape, compile, hidden_layers):
         old = runners.pop(role, None)

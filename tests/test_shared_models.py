@@ -12,7 +12,7 @@ import pytest
 from specdec import generate
 from specdec.drafters import ModelDrafter
 from specdec.policies import FixedPolicy
-from specdec.runner import LENGTH_QUANTUM, runners_of
+from specdec.runner import CPU_LENGTH_QUANTUM, runners_of
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
 
 
@@ -98,8 +98,8 @@ def test_caches_are_sized_by_what_the_call_can_draft():
     prompts = random_prompts(4, 96, seed=5, min_len=3)
     out = generate(target, prompts, drafter=ModelDrafter(small), policy=FixedPolicy(100_000), max_new_tokens=8)
     assert out.sequences == [hf_greedy(target, p, 8) for p in prompts]
-    assert runners_of(target)["target"].cache.max_len == LENGTH_QUANTUM  # 12 + 8 + 8 positions, rounded up
-    assert runners_of(small)["drafter-0"].cache.max_len == LENGTH_QUANTUM
+    assert runners_of(target)["target"].cache.max_len == CPU_LENGTH_QUANTUM  # 12 + 8 + 8 positions, rounded up
+    assert runners_of(small)["drafter-0"].cache.max_len == CPU_LENGTH_QUANTUM
 
 
 def test_generate_called_from_a_stream_callback_is_refused_and_the_outer_call_stays_exact():
