@@ -224,10 +224,12 @@ class SpireDraft(torch.nn.Module):
         # a sink slot before the block, a window slot past the sink (not twice) and in the text
         context_seen = torch.cat([sink_slots < starts[:, None], (window_slots >= sink) & (window_slots >= 0)], dim=1)
         memory_keys, memory_values = [], []  # per block: [B, S, C + i, Hkv, D]
+        every_position = torch.arange(input_ids.shape[1], device=device).expand(batch, -1)  # [B, T]
         for block, source in enumerate(self.source_layers):
-            keys, values = self.keys_values(block, target_hidden[source][:, context], context.expand(batch, -1, -1))
-            memory_keys.append(keys)
-            memory_values.append(values)
+            # each position's keys once (a position lies in about window / steps blocks' contexts), then gathered
+            keys, values = self.keys_values(block, target_hidden[source], every_position)  # [B, T, Hkv, D]
+            memory_keys.append(keys[:, context])  # [B, S, C, Hkv, D]
+            memory_values.append(values[:, context])
         logits = []
         for step in range(steps):
             positions = (starts + step).expand(batch, -1)  # [B, S]
