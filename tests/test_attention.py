@@ -97,11 +97,11 @@ def test_long_rows_decode_exactly_through_split_kv_shares():
     from specdec.runner import runners_of
 
     target = make_model("llama", dtype=torch.float32, device="cuda", max_positions=4096)
-    prompts = [list(np.random.default_rng(row).integers(0, 96, size=length)) for row, length in ((0, 3000), (1, 2200))]
+    prompts = [np.random.default_rng(row).integers(0, 96, size=length).tolist() for row, length in ((0, 3000), (1, 2200))]
     drafter = ModelDrafter(perturbed_copy(target, 0.1), cuda_graphs=True)
     out = generate(target, prompts, drafter=drafter, policy=FixedPolicy(3), max_new_tokens=16, cuda_graphs=True)
     assert runners_of(target)["target"].kv_splits > 1
-    assert out.sequences == [hf_greedy(target, [int(t) for t in p], 16) for p in prompts]
+    assert out.sequences == [hf_greedy(target, p, 16) for p in prompts]
 
 
 @pytest.mark.cuda
