@@ -113,6 +113,18 @@ def methods_of(zoo, settings: LongContextSettings, small_name: str) -> list[Meth
     return [made[name] for name in settings.methods]
 
 
+def cache_shortfall(zoo, prompts, settings: LongContextSettings, share: float = 0.7) -> str | None:
+    """Why a cell cannot run, when the KV caches it allocates (target, small drafter, SPIRe draft,
+    all at the cell's longest row) would take more than ``share`` of the GPU's memory; else None."""
+    positions = max(map(len, prompts)) + settings.max_new_tokens + max(settings.ks) + 1
+    models = [zoo.target, *zoo.drafters.values(), *(d.model for d in zoo.spire.values())][: 2 + len(zoo.drafters)]
+    needed = sum(PassCost.of_model(m).kv_bytes_per_position for m in models) * (len(prompts) + 1) * positions
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if needed <= share * total:
+        return None
+    return f"skipped: its KV caches need about {needed / 1e9:.0f} GB of the GPU's {total / 1e9:.0f} GB"
+
+
 def cell_rows(target, prompts, methods: list[Method], ks, eos, context: int, batch: int, max_new_tokens: int,
               log) -> list[dict]:
     rows, plain = [], None
@@ -256,6 +268,11 @@ def run(settings: LongContextSettings, log=print, checkpoint=None) -> dict:
     for context in settings.contexts:
         for batch in settings.batch_sizes:
             chosen = prompts[context][:batch]
+            too_big = cache_shortfall(zoo, chosen, settings) if cuda else None
+            if too_big:  # skipped, not attempted: an out-of-memory error mid-run can leave the device fragmented
+                log(f"long context {context:>6} batch {batch:>3} skipped: {too_big}")
+                result["rows"].append(dict(context=context, batch=batch, method="all", label="all", k=0, error=too_big))
+                continue
             rows = cell_rows(zoo.target, chosen, methods, settings.ks, eos, context, batch, settings.max_new_tokens, log)
             for row in rows:
                 row["mean_context"] = float(np.mean([len(p) for p in chosen]))
