@@ -141,18 +141,17 @@ def _prepare(file_id: str, text: str, tokenizer) -> _File | None:
 def _row(file_at, start: int, length: int, num_files: int, tokenizer, longest_line: int, row: int) -> LongPrompt:
     budget = length
     while True:
-        pieces, ids = _take(file_at, start, budget, num_files, longest_line, row, length)
-        text = "".join(text for _, text in pieces)
-        token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = _take(file_at, start, budget, num_files, longest_line, row, length)
+        token_ids = tokenizer("".join(text for _, text in pieces), add_special_tokens=False)["input_ids"]
         if len(token_ids) <= length:
-            return LongPrompt(tuple(token_ids), length, tuple(ids))
+            return LongPrompt(tuple(token_ids), length, tuple(file_id for file_id, _ in pieces))
         # tokens merge differently across file joins: take fewer lines by the excess and check again
         budget -= len(token_ids) - length
 
 
 def _take(file_at, start: int, budget: int, num_files: int, longest_line: int, row: int, length: int):
     """(file id, text) pieces from the order at ``start`` on, whole lines, about ``budget`` tokens."""
-    pieces, ids, used, position, skipped = [], [], 0, start, 0
+    pieces, used, position, skipped = [], 0, start, 0
     while True:
         found = file_at(position)
         position += 1
@@ -167,17 +166,15 @@ def _take(file_at, start: int, budget: int, num_files: int, longest_line: int, r
         skipped = 0
         if used + found.tokens <= budget:
             pieces.append((found.file_id, found.text))
-            ids.append(found.file_id)
             used += found.tokens
             continue
         lines = int(np.searchsorted(found.tokens_before, budget - used, side="right"))
         if lines:
             pieces.append((found.file_id, found.text[: found.line_ends[lines - 1]]))
-            ids.append(found.file_id)
         if not pieces:  # only when checking against the exact count shrank the budget below one line
             raise ValueError(f"row {row}: the first line of {found.file_id!r} alone is longer than the row's "
                              f"{length} tokens; use a larger context_tokens or a smaller spread")
-        return pieces, ids
+        return pieces
 
 
 def summary(prompts: Sequence[LongPrompt]) -> dict:

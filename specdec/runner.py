@@ -87,6 +87,16 @@ def check_tree_layout(layout: PackedLayout, tree: TreeLayout) -> None:
 
 
 @dataclass
+class ObservedPass:
+    """What a runner hands its observers after a dense pass (ModelRunner.observers)."""
+
+    layout: PackedLayout
+    hidden: dict  # {index: [N, hidden]} the kept hidden states (hidden_states.HiddenStateTap)
+    token_rows: torch.Tensor  # [N] cache row of each packed token, on the model's device
+    token_slots: torch.Tensor  # [N] cache slot (= position) of each packed token, on the model's device
+
+
+@dataclass
 class SparseLayout:
     """What makes a packed pass a static sparse one (StreamingLLM's sink + window; MagicDec and
     SPIRe draft with it, ALGORITHMS.md section 8): besides the pass's own causal (or tree) rule, a
@@ -501,7 +511,8 @@ class ModelRunner:
             self.graph_passes += 1
             logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts, tree=tree,
                                      sparse=sparse)  # valid until the next replay
-            self._observe(layout, tree, sparse)
+            num_tokens = layout.num_tokens
+            self._observe(layout, tree, sparse, self.graphs.token_rows[:num_tokens], self.graphs.positions[:num_tokens])
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
         meta = packed_metadata(layout, self.cache, self.device, self.backend, tree, sparse, self.kv_splits, self.role)
@@ -518,17 +529,19 @@ class ModelRunner:
         )
         if not self._checked_layers:
             self._check_every_layer_ran()
-        self._observe(layout, tree, sparse)
+        self._observe(layout, tree, sparse, meta.token_rows, meta.token_positions)
         return output.logits[0].to(self.device)  # the head may sit on another device (device_map)
 
-    def _observe(self, layout: PackedLayout, tree: TreeLayout | None, sparse: SparseLayout | None) -> None:
-        """Hand every observer the layout and kept hidden states of a dense causal pass (a prefill
-        or a chain's verification): fn(layout, {index: [N, hidden]}). Sparse passes (a drafter's
-        own, through this runner) and tree passes (slots are not positions there) are not handed."""
+    def _observe(self, layout: PackedLayout, tree: TreeLayout | None, sparse: SparseLayout | None,
+                 token_rows: torch.Tensor, token_slots: torch.Tensor) -> None:
+        """Hand every observer a dense causal pass (a prefill or a chain's verification) as an
+        ObservedPass, with the pass's own device tensors of rows and slots. Sparse passes (a
+        drafter's own, through this runner) and tree passes (slots are not positions there) are not
+        handed."""
         if self.observers and tree is None and sparse is None:
-            hidden = {} if self.tap is None else self.tap.latest
+            seen = ObservedPass(layout, {} if self.tap is None else self.tap.latest, token_rows, token_slots)
             for observer in self.observers:
-                observer(layout, hidden)
+                observer(seen)
 
     def _check_every_layer_ran(self) -> None:
         written = self.cache.layers_written()

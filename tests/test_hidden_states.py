@@ -47,7 +47,7 @@ def test_observers_hear_dense_passes_only():
     model = make_model("llama", num_layers=2)
     runner = ModelRunner(model, max_rows=2, max_len=32, hidden_layers=(1,))
     heard = []
-    runner.observers.append(lambda layout, hidden: heard.append((layout.num_tokens, hidden[1].shape)))
+    runner.observers.append(lambda seen: heard.append((seen.layout.num_tokens, seen.hidden[1].shape)))
     layout = PackedLayout(rows=np.array([0, 1]), starts=np.array([0, 0]), counts=np.array([3, 2]))
     ids = torch.tensor([1, 2, 3, 4, 5])
     with runner.attached():

@@ -90,8 +90,7 @@ class SelfSpeculativeDrafter(ModelDrafter):
         """Feed each asked row its last committed token (the target's cache holds the ones
         before it) -> next-token logits [R, V] over the sparse view."""
         layout = PackedLayout(rows=asked, starts=batch.lengths[asked] - 1, counts=np.ones(len(asked), dtype=np.int64))
-        token_ids = batch.packed_tokens(layout.rows, layout.starts, batch.lengths[asked])
-        return self._runner.forward(to_device(token_ids, self._runner.device), layout,
+        return self._runner.forward(to_device(batch.last_token_ids(asked), self._runner.device), layout,
                                     sparse=self._view(batch, layout))
 
     def _feed(self, batch: BatchState, tokens: torch.Tensor, rows: np.ndarray, depth: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..batch import BatchState
-from ..runner import PackedLayout, SparseLayout
+from ..runner import ObservedPass, PackedLayout, SparseLayout
 from ..transfer import to_device
 from .model import ModelDrafter
 from .spire_model import SPIRE_ROLE, SpireDraft
@@ -86,15 +86,13 @@ class SPIReDrafter(ModelDrafter):
         super().finish()
 
     @torch.inference_mode()
-    def _project_target(self, layout: PackedLayout, hidden: dict[int, torch.Tensor]) -> None:
+    def _project_target(self, seen: ObservedPass) -> None:
         """A dense target pass: its tokens' keys and values, from the target's states, into the
         draft's cache at the same slots."""
         device = self._runner.device
-        rows = to_device(np.repeat(layout.rows, layout.counts), device)  # [N]
-        first = layout.offsets()[:-1]  # [G] packed index of each group's first token
-        slots = to_device(np.repeat(layout.starts - first, layout.counts) + np.arange(layout.num_tokens), device)  # [N]
+        rows, slots = seen.token_rows.to(device), seen.token_slots.to(device)  # [N] each
         for block, source in enumerate(self.draft.source_layers):
-            states = hidden[source].to(device=device, dtype=self.draft.model.dtype)  # [N, hidden]
+            states = seen.hidden[source].to(device=device, dtype=self.draft.model.dtype)  # [N, hidden]
             keys, values = self.draft.keys_values(block, states, slots)  # [N, Hkv, D] each
             self._runner.cache.write(block, rows, slots, keys.transpose(0, 1), values.transpose(0, 1))
 
@@ -107,9 +105,8 @@ class SPIReDrafter(ModelDrafter):
     def _catch_up(self, batch: BatchState, asked: np.ndarray) -> torch.Tensor:
         """The last committed token of each asked row (the target has not run it yet, so the draft
         feeds it itself) -> logits [R, V]."""
-        slots = batch.lengths[asked] - 1
-        token_ids = batch.packed_tokens(asked, slots, batch.lengths[asked])
-        return self._pass(batch, to_device(token_ids, self._runner.device), asked, slots)
+        return self._pass(batch, to_device(batch.last_token_ids(asked), self._runner.device), asked,
+                          batch.lengths[asked] - 1)
 
     def _feed(self, batch: BatchState, tokens: torch.Tensor, rows: np.ndarray, depth: int) -> torch.Tensor:
         return self._pass(batch, tokens, rows, batch.lengths[rows] + depth)
