@@ -158,6 +158,8 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
             d.bind_target(runner)
             d.start(batch, sampling, device, max_draft)
         _prefill(runner, batch, device)
+        if device.type == "cuda":  # the prefill's kernels end inside prefill_time_s, not in step 0's synchronisation
+            torch.cuda.synchronize(device)
         prefill_time = time.perf_counter() - started
         step = 0
         while not batch.finished.all():

@@ -15,7 +15,9 @@ Per request, counted over the decoding steps the request took part in:
   position is depth: among steps whose tree was built i + 1 levels deep or more, the fraction
   whose accepted path reached depth i + 1.
 - ``wall_time_s``: from the start of generate() to the end of the step that finished the
-  request; ``tokens_per_s`` = emitted / wall_time_s.
+  request; ``tokens_per_s`` = emitted / wall_time_s. ``prefill_time_s`` (overall only): from the
+  start to the end of the prompts' forward pass, its device work included (on a GPU, generate()
+  waits for it once), so wall_time_s - prefill_time_s is the decoding's time.
 Overall: sums of the per-request counts; ``tau`` = emitted / request-steps; ``steps`` counts
 loop iterations; ``tokens_per_s`` = emitted / total wall time; ``padding_fraction`` = pad slots
 / all token slots the target computed while verifying; ``draft_time_s`` and

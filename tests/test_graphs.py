@@ -73,7 +73,29 @@ def test_one_synchronisation_per_step(drafter_kind):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) <= out.stats.steps, [str(w.message)[:200] for w in syncs[:5]]
+    # one a step, and one after the prefill (so that prefill_time_s holds its device work)
+    assert len(syncs) <= out.stats.steps + 1, [str(w.message)[:200] for w in syncs[:5]]
+
+
+def test_the_prefills_device_work_ends_inside_prefill_time(monkeypatch):
+    """Decode throughput is (wall - prefill) time: a prefill left running on the GPU would be
+    charged to the first step instead, so generate() waits for it before its first plan."""
+    import specdec.generate as generate_module
+
+    events, real_prefill, real_synchronize = [], generate_module._prefill, torch.cuda.synchronize
+    monkeypatch.setattr(generate_module, "_prefill", lambda *a: (real_prefill(*a), events.append("prefill"))[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (events.append("synchronize"), real_synchronize(*a))[1])
+
+    class Recording(FixedPolicy):
+        def plan(self, batch, num_drafters):
+            events.append("plan")
+            return super().plan(batch, num_drafters)
+
+    target = make_model("llama", dtype=torch.float32, device="cuda")
+    generate(target, random_prompts(4, target.config.vocab_size, seed=2), policy=Recording(0), max_new_tokens=3,
+             **GRAPHS)
+    after_prefill = events[events.index("prefill"):]
+    assert after_prefill.index("synchronize") < after_prefill.index("plan"), events
 
 
 class PausingPolicy(Policy):

@@ -4,7 +4,7 @@ modelled speed-ups and the targets. The zoo's SPIRe drafts are built, kept and l
 
 import json
 
-from specdec.bench.long_context import LongContextSettings, markdown, run, targets
+from specdec.bench.long_context import LongContextSettings, add_speedups, markdown, run, targets
 from specdec.zoo import build, load
 
 
@@ -44,3 +44,18 @@ def test_the_targets_read_the_best_k_of_each_method():
     assert found["SPIRe at batch 64, context 4096: >= 1.5x plain decoding"]["value"] == 1.6
     assert found["SPIRe at batch 64, context 4096: >= 1.35x the best small drafter"]["value"] == round(160 / 120, 3)
     assert found["SPIRe at batch 64, context 4096: >= 1.1x SelfSpeculativeDrafter"]["met"]
+
+
+def test_targets_take_the_issues_batch_64_and_report_device_phase_ratios_beside_wall_clock():
+    def row(batch, method, k, wall, device):
+        return dict(context=4096, batch=batch, method=method, k=k, tokens_per_s=wall, device_tokens_per_s=device,
+                    tau=2.0, draft_s=0.1, verify_s=0.2, error="")
+
+    rows = [row(64, "plain", 0, 100.0, 200.0), row(64, "spire", 3, 130.0, 340.0),
+            row(128, "plain", 0, 150.0, 300.0), row(128, "spire", 3, 300.0, 600.0)]
+    add_speedups(rows)
+    assert rows[1]["speedup"] == 1.3 and rows[1]["device_speedup"] == 1.7
+    found = {t["target"]: t for t in targets(rows)}
+    plain = found["SPIRe at batch 64, context 4096: >= 1.5x plain decoding"]
+    assert plain["value"] == 1.3 and not plain["met"] and plain["detail"].endswith("device phases: 1.70x")
+    assert not any("batch 128" in name for name in found)
