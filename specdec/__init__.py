@@ -10,6 +10,7 @@
 """
 
 from . import drafters, policies, verifiers
+from .engine import Engine, FinishedRequest
 from .generate import GenerateOutput, generate
 from .runner import UnsupportedModelError
 from .stats import GenerationStats, RequestStats
@@ -20,6 +21,8 @@ __version__ = "0.1.0"
 __all__ = [
     "generate",
     "GenerateOutput",
+    "Engine",
+    "FinishedRequest",
     "GenerationStats",
     "RequestStats",
     "SamplingParams",

@@ -1,9 +1,12 @@
-"""The requests of one generate() call: committed tokens, budgets and which rows are done.
+"""The requests in flight: committed tokens, budgets and which rows are done.
 
-Invariant: ``token_ids[r, :lengths[r]]`` is request r's prompt followed by every token committed
-so far, exactly; a row is finished once it has committed an EOS token, completed a stop sequence
-or committed ``max_new_tokens`` tokens, and a finished row takes part in no further forward pass. All of this is host-side
-control data, updated once per step from the verdict the step copied to the host.
+Invariant: ``token_ids[r, :lengths[r]]`` is row r's request's prompt followed by every token
+committed so far, exactly; a row is finished once it has committed an EOS token, completed a stop
+sequence or committed its ``max_new_tokens[r]`` tokens, and a finished row takes part in no
+further forward pass. A row without a request (``BatchState.empty``, or after ``release``)
+counts as finished. ``admit`` gives a free row a new request (the engine's continuous batching).
+All of this is host-side control data, updated once per step from the verdict the step copied
+to the host.
 """
 
 from __future__ import annotations
@@ -14,12 +17,17 @@ from .types import PAD_ID, HostVerdict
 
 
 class BatchState:
-    def __init__(self, prompts: list[np.ndarray], max_new_tokens: int, seeds: np.ndarray, eos_token_ids: np.ndarray,
-                 stop_sequences: list[np.ndarray] = (), min_new_tokens: int = 0):
+    def __init__(self, prompts: list[np.ndarray], max_new_tokens, seeds: np.ndarray, eos_token_ids: np.ndarray,
+                 stop_sequences: list[np.ndarray] = (), min_new_tokens: int = 0, max_total_len: int | None = None):
+        """max_new_tokens: one budget for every row, or [B]. max_total_len: the row width (prompt
+        plus output) to allocate; by default the longest prompt plus the largest budget."""
         self.num_rows = len(prompts)
         self.prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # [B]
-        self.max_new_tokens = max_new_tokens
-        self.max_total_len = int(self.prompt_lengths.max()) + max_new_tokens
+        self.max_new_tokens = np.broadcast_to(np.asarray(max_new_tokens, dtype=np.int64), (self.num_rows,)).copy()  # [B]
+        needed = int((self.prompt_lengths + self.max_new_tokens).max(initial=0))
+        self.max_total_len = needed if max_total_len is None else max_total_len
+        if self.max_total_len < needed:
+            raise ValueError(f"max_total_len={max_total_len} is shorter than a row's prompt plus budget ({needed})")
         self.token_ids = np.full((self.num_rows, self.max_total_len), PAD_ID, dtype=np.int64)  # [B, T]
         for row, prompt in enumerate(prompts):
             self.token_ids[row, : len(prompt)] = prompt
@@ -28,8 +36,36 @@ class BatchState:
         self.eos_token_ids = eos_token_ids.astype(np.int64)  # [E], may be empty
         self.stop_sequences = [np.asarray(s, dtype=np.int64) for s in stop_sequences]  # a row stops after one
         self.min_new_tokens = min_new_tokens  # EOS is impossible before a row has generated this many
-        self.finished = np.full(self.num_rows, max_new_tokens == 0)  # [B]
+        self.finished = self.max_new_tokens == 0  # [B]
         self.logprobs: np.ndarray | None = None  # [B, T] float32 once a verdict carries them
+
+    @classmethod
+    def empty(cls, num_rows: int, max_total_len: int, eos_token_ids: np.ndarray, stop_sequences=(),
+              min_new_tokens: int = 0) -> "BatchState":
+        """``num_rows`` free rows of width ``max_total_len``, for ``admit``."""
+        return cls([np.zeros(0, dtype=np.int64)] * num_rows, 0, np.zeros(num_rows, dtype=np.int64), eos_token_ids,
+                   stop_sequences, min_new_tokens, max_total_len=max_total_len)
+
+    def admit(self, row: int, prompt: np.ndarray, max_new_tokens: int, seed: int) -> None:
+        """Give free row ``row`` a new request: its prompt, budget and seed (nothing of the row's
+        previous request remains)."""
+        if not self.finished[row]:
+            raise ValueError(f"row {row} still holds an unfinished request")
+        if len(prompt) + max_new_tokens > self.max_total_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens and max_new_tokens={max_new_tokens} need "
+                             f"{len(prompt) + max_new_tokens} positions; rows hold {self.max_total_len}")
+        self.token_ids[row] = PAD_ID
+        self.token_ids[row, : len(prompt)] = prompt
+        self.prompt_lengths[row] = self.lengths[row] = len(prompt)
+        self.max_new_tokens[row] = max_new_tokens
+        self.seeds[row] = seed
+        self.finished[row] = max_new_tokens == 0
+        if self.logprobs is not None:
+            self.logprobs[row] = np.nan
+
+    def release(self, row: int) -> None:
+        """Free ``row`` (its request finished or was cancelled): it joins no further pass."""
+        self.finished[row] = True
 
     @property
     def num_generated(self) -> np.ndarray:

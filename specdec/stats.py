@@ -201,22 +201,30 @@ class StatsRecorder:
         self.target_tokens += record.cost.target_tokens
         self.padding_tokens += record.cost.padding_tokens
 
-    def finish(self, wall_time_s: float, prefill_time_s: float) -> GenerationStats:
-        requests = [
-            RequestStats(
-                steps=int(self.steps[r]),
-                drafted=int(self.drafted[r]),
-                accepted=int(self.accepted[r]),
-                emitted=int(self.emitted[r]),
-                drafted_by_position=self.drafted_at[r].tolist(),
-                accepted_by_position=self.accepted_at[r].tolist(),
-                wall_time_s=float(self.finish_time_s[r]),
-            )
-            for r in range(len(self.steps))
-        ]
+    def start_rows(self, rows: np.ndarray) -> None:
+        """Rows ``rows`` begin new requests: their counts start again from zero."""
+        for counts in (self.steps, self.drafted, self.accepted, self.emitted, self.drafted_at, self.accepted_at,
+                       self.finish_time_s):
+            counts[rows] = 0
+
+    def request_stats(self, row: int) -> RequestStats:
+        """The statistics of the request row ``row`` holds (or held last)."""
+        return RequestStats(
+            steps=int(self.steps[row]),
+            drafted=int(self.drafted[row]),
+            accepted=int(self.accepted[row]),
+            emitted=int(self.emitted[row]),
+            drafted_by_position=self.drafted_at[row].tolist(),
+            accepted_by_position=self.accepted_at[row].tolist(),
+            wall_time_s=float(self.finish_time_s[row]),
+        )
+
+    def finish(self, wall_time_s: float, prefill_time_s: float, steps: int | None = None) -> GenerationStats:
+        """Every row's request as one call's statistics (generate(): request i held row i).
+        ``steps``: the loop's step count, when it differs from the steps recorded here."""
         return GenerationStats(
-            requests=requests,
-            steps=self.num_steps,
+            requests=[self.request_stats(r) for r in range(len(self.steps))],
+            steps=self.num_steps if steps is None else steps,
             wall_time_s=wall_time_s,
             prefill_time_s=prefill_time_s,
             draft_time_s=self.draft_time_s,

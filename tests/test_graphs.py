@@ -80,10 +80,10 @@ def test_one_synchronisation_per_step(drafter_kind):
 def test_the_prefills_device_work_ends_inside_prefill_time(monkeypatch):
     """Decode throughput is (wall - prefill) time: a prefill left running on the GPU would be
     charged to the first step instead, so generate() waits for it before its first plan."""
-    import specdec.generate as generate_module
+    from specdec.engine import Engine
 
-    events, real_prefill, real_synchronize = [], generate_module._prefill, torch.cuda.synchronize
-    monkeypatch.setattr(generate_module, "_prefill", lambda *a: (real_prefill(*a), events.append("prefill"))[0])
+    events, real_prefill, real_synchronize = [], Engine._prefill, torch.cuda.synchronize
+    monkeypatch.setattr(Engine, "_prefill", lambda *a: (real_prefill(*a), events.append("prefill"))[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (events.append("synchronize"), real_synchronize(*a))[1])
 
     class Recording(FixedPolicy):

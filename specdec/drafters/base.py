@@ -52,6 +52,11 @@ class Drafter(ABC):
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
         """Prepare for a generate() call (allocate caches). Called once before any propose."""
 
+    def start_rows(self, batch: BatchState, rows: np.ndarray) -> None:
+        """Rows ``rows`` ([R] host indices) now hold new requests (an Engine admitted them, or a
+        generate() call began): forget what was kept for the rows' previous requests and take
+        their seeds from ``batch``. Called after ``start``, before the rows' first ``propose``."""
+
     @abstractmethod
     def propose(self, batch: BatchState, num_tokens: np.ndarray) -> Draft:
         """Propose up to ``num_tokens[r]`` tokens after row r's committed tokens ([B] host array).

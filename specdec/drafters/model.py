@@ -105,6 +105,10 @@ class ModelDrafter(Drafter):
         self._attached.__enter__()
         self._seeds = to_device(batch.seeds, self.device())
 
+    def start_rows(self, batch: BatchState, rows: np.ndarray) -> None:
+        self._runner.cache.lengths[rows] = 0  # the next catch-up feeds each new prompt
+        self._seeds[to_device(rows, self._seeds.device)] = to_device(batch.seeds[rows], self._seeds.device)
+
     def _graph_group(self) -> int:
         """The most tokens a row feeds in one pass (the graphs' group size): catch-up passes carry
         one or two tokens per row after the first step, single-token steps one; a tree's expansion

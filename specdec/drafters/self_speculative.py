@@ -75,6 +75,10 @@ class SelfSpeculativeDrafter(ModelDrafter):
         self.sampling = sampling
         self._seeds = to_device(batch.seeds, self._runner.device)
 
+    def start_rows(self, batch: BatchState, rows: np.ndarray) -> None:
+        """Only the seeds: the draft reads the target's cache, which the engine refills."""
+        self._seeds[to_device(rows, self._seeds.device)] = to_device(batch.seeds[rows], self._seeds.device)
+
     def finish(self) -> None:
         self._runner = None  # the target's runner is generate()'s to release
 

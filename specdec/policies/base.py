@@ -24,5 +24,10 @@ class Policy(ABC):
     def plan(self, batch: BatchState, num_drafters: int) -> Plan:
         """Per-row drafter index and draft length for the next step."""
 
+    def start_rows(self, batch: BatchState, rows) -> None:
+        """Rows ``rows`` ([R] host indices) now hold new requests (an Engine admitted them, or a
+        generate() call began); a policy that keeps per-row state resets theirs. The default
+        keeps nothing."""
+
     def observe(self, record: StepRecord) -> None:
         """What the last step did (counts per row, times); the default ignores it."""

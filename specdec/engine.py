@@ -1,0 +1,418 @@
+"""Engine: continuous batching, the serving loop SmartSpec and SPIN assume (DESIGN §9).
+
+Requests arrive with ``add_request`` and wait; each ``step()`` first admits waiting requests into
+free cache rows (their prompts are prefilled in one pass just before the step's verification),
+then runs one speculative step over every row in flight: the policy plans (drafter and length
+per row), drafters propose, the verifier scores every active row's draft in one target forward
+and applies the acceptance rule, the rows commit the emitted tokens (the step's one host
+synchronisation), drafters roll back to what was accepted, and the policy observes. A row whose
+request ends (EOS, stop sequence, budget, or ``cancel``) is freed for the next waiting request.
+``generate()`` is this engine run over a closed set of requests.
+
+Invariant (lossless, per request): a request's output is the target's own, token for token under
+greedy decoding and identically distributed under sampling, and depends only on its prompt, its
+budget and its seed, never on what else is in flight or when it arrived: rows never attend to
+each other, and the sampling noise of a token is a function of (seed, position) alone.
+
+Cost per step: one target forward over the active rows' drafts (plus one prefill pass in a step
+that admits requests), the drafters' passes, and one device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import inputs
+from .batch import BatchState
+from .distributed import tensor_parallel_group
+from .drafters.base import Drafter, empty_draft, merge_drafts
+from .policies.base import Policy
+from .policies.fixed import FixedPolicy
+from .runner import ModelRunner, PackedLayout, models_in_use, resolve_backend, runner_for, runners_of
+from .sampling import TREE_PROBLEMS
+from .stats import RequestStats, StatsRecorder, StepRecord
+from .timing import PhaseTimer
+from .transfer import to_device
+from .types import Draft, Plan, SamplingParams
+from .verifiers.base import Verifier
+from .verifiers.padding_free import PaddingFreeVerifier
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request the engine is done with. Times are seconds on the engine's clock (from its
+    construction): arrival (``add_request``), first token committed, last token committed."""
+
+    id: int
+    token_ids: list[int]  # generated tokens, prompt excluded, EOS included
+    reason: str  # "eos" (an EOS or stop sequence), "length" (max_new_tokens), "cancelled"
+    stats: RequestStats
+    arrival_s: float
+    first_token_s: float | None  # None when it emitted nothing
+    finish_s: float
+    logprobs: list[float] | None = None  # with return_logprobs=True
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: np.ndarray  # [P]
+    max_new_tokens: int
+    seed: int
+    arrival_s: float
+    row: int = -1  # its cache row once admitted
+    first_token_s: float | None = None
+
+
+class Engine:
+    """A speculative decoding engine over ``max_rows`` cache rows of ``max_len`` positions each
+    (a request's prompt plus its max_new_tokens must fit). Components and options are those of
+    generate(); sampling, EOS ids, stop sequences and min_new_tokens are the engine's, for every
+    request. max_new_tokens: the most any request may ask (default: max_len); caches and graphs
+    are sized for drafts no longer than that allows.
+
+    Use it as a context manager, or call ``close()``: while open it holds the target's (and the
+    drafters') runners and caches.
+    """
+
+    def __init__(self, target, drafter: Drafter | list[Drafter] | None = None, verifier: Verifier | None = None,
+                 policy: Policy | None = None, max_rows: int = 16, max_len: int = 2048, *,
+                 sampling: SamplingParams | None = None, eos_token_id: int | list[int] | None = None,
+                 attention: str = "auto", cuda_graphs: bool | str = False, compile: bool = False,
+                 min_new_tokens: int = 0, stop_sequences: list[list[int]] | None = None,
+                 return_logprobs: bool = False, max_new_tokens: int | None = None):
+        self.vocab_size, self.device = inputs.check_target(target)
+        if not (isinstance(max_rows, int) and max_rows >= 1):
+            raise ValueError(f"max_rows must be an int >= 1 (cache rows, the most requests in flight), got {max_rows!r}")
+        if not (isinstance(max_len, int) and max_len >= 1):
+            raise ValueError(f"max_len must be an int >= 1 (positions per row: prompt plus new tokens), got {max_len!r}")
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+        self.sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        self.drafters = inputs.normalise_drafters(drafter)
+        self.max_new_tokens = max_len if max_new_tokens is None else inputs.check_max_new_tokens(max_new_tokens)
+        if self.max_new_tokens > max_len:
+            raise ValueError(f"max_new_tokens={max_new_tokens} does not fit rows of max_len={max_len} positions")
+        longest_prompt = np.zeros(max_len - self.max_new_tokens, dtype=np.int64)
+        inputs.check_drafters(self.drafters, self.vocab_size, [longest_prompt], self.max_new_tokens)
+        for d in self.drafters:
+            d.check_target(target)
+        self.verifier = PaddingFreeVerifier() if verifier is None else verifier
+        self.policy = (FixedPolicy(4) if self.drafters else FixedPolicy(0)) if policy is None else policy
+        inputs.check_component(self.verifier, Verifier, "verifier")
+        inputs.check_component(self.policy, Policy, "policy")
+        inputs.check_trees(self.drafters, self.verifier, self.policy.max_draft_tokens)
+        if self.policy.max_draft_tokens > 0 and not self.drafters:
+            raise ValueError(f"{self.policy!r} drafts tokens but no drafter was given: pass drafter=... or FixedPolicy(0)")
+        self.target, self.max_len, self.return_logprobs = target, max_len, return_logprobs
+        self.batch = BatchState.empty(max_rows, max_len, inputs.normalise_eos(eos_token_id, self.vocab_size),
+                                      inputs.normalise_stop_sequences(stop_sequences, self.vocab_size),
+                                      inputs.check_min_new_tokens(min_new_tokens))
+        self._trees = np.array([d.makes_trees for d in self.drafters], dtype=bool)  # [D]
+        # a row drafts at most one token fewer than it may still emit, so caches and graphs are
+        # sized by what requests can use, not by the policy's largest length (a tree's nodes are
+        # not bounded so, only its depth: its node budget sizes them)
+        max_draft = (self.policy.max_draft_tokens if self._trees.any() and self.max_new_tokens > 1
+                     else min(self.policy.max_draft_tokens, max(self.max_new_tokens - 1, 0)))
+        attention, cuda_graphs, compile = resolve_backend(target, attention, cuda_graphs, compile)
+        graph_shape = (max_draft + 1, max_rows * (max_draft + 1)) if cuda_graphs else None
+        self._group = tensor_parallel_group(target)  # None unless the target is sharded over processes
+        self.recorder = StatsRecorder(max_rows, max_draft)
+        self._timer = PhaseTimer(self.device)
+        self._waiting: list[_Request] = []
+        self._rows: list[_Request | None] = [None] * max_rows  # the request each row holds
+        self._finished: list[FinishedRequest] = []  # cancelled before they ran, reported by the next step
+        self._next_id = 0
+        self.steps = 0
+        self._clock = time.perf_counter()
+        self._stack = contextlib.ExitStack()  # unwinds in reverse: drafters finish, the target detaches, locks go
+        try:
+            # threads sharing a model take turns: its runners, caches and attention switch are one engine's at a time
+            self._stack.enter_context(models_in_use([target, *(m for d in self.drafters for m in d.models())]))
+            if getattr(runners_of(target).get("target"), "in_use", False):
+                raise RuntimeError("this target is already in use by an open Engine (or a generate() call) on this "
+                                   "thread, whose cache a second one would overwrite: close that engine first")
+            hidden_layers = tuple(sorted({j for d in self.drafters for j in d.target_hidden_layers()}))
+            self.runner = runner_for(target, role="target", max_rows=max_rows, max_len=max_len + max_draft + 1,
+                                     attention=attention, graph_shape=graph_shape, compile=compile,
+                                     hidden_layers=hidden_layers)
+            self._stack.enter_context(self.runner.attached())
+            self.runner.in_use = True
+            self._stack.callback(setattr, self.runner, "in_use", False)
+            for d in self.drafters:
+                self._stack.callback(d.finish)  # first: a start that fails half-way is still undone
+                d.bind_target(self.runner)
+                d.start(self.batch, self.sampling, self.device, max_draft)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the runners, caches and model locks (requests still in flight are dropped)."""
+        self._stack.close()
+
+    def now(self) -> float:
+        """Seconds on the engine's clock."""
+        return time.perf_counter() - self._clock
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt, max_new_tokens: int = 128, seed: int = 0) -> int:
+        """Queue a request (token ids: a list or a 1-D tensor) -> its id. It is admitted by a
+        later ``step()`` once a row is free, first come first served."""
+        (tokens,) = inputs.normalise_prompts([prompt], self.vocab_size)
+        max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
+        if max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens={max_new_tokens} is more than this engine's max_new_tokens="
+                             f"{self.max_new_tokens}: ask for fewer or build the engine with a larger one")
+        (seed,) = inputs.normalise_seeds([seed], 1).tolist()
+        if len(tokens) + max_new_tokens > self.max_len:
+            raise ValueError(f"a prompt of {len(tokens)} tokens with max_new_tokens={max_new_tokens} needs "
+                             f"{len(tokens) + max_new_tokens} positions, but the engine's rows hold max_len="
+                             f"{self.max_len}: shorten the prompt, lower max_new_tokens or build the engine with a "
+                             "larger max_len")
+        inputs.check_lengths_fit(self.target, [tokens], max_new_tokens)
+        return self.enqueue(tokens, max_new_tokens, int(seed))
+
+    def enqueue(self, prompt: np.ndarray, max_new_tokens: int, seed: int) -> int:
+        """``add_request`` without its checks, for a caller that made them (generate())."""
+        request = _Request(self._next_id, prompt, max_new_tokens, seed, self.now())
+        self._next_id += 1
+        self._waiting.append(request)
+        return request.id
+
+    def restart_clock(self, at: float) -> None:
+        """Count the engine's clock from ``at`` (a time.perf_counter() reading)."""
+        self._clock = at
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a waiting or running request -> whether it was found; the next ``step()``
+        reports it as finished with reason "cancelled" and the tokens it had so far."""
+        for index, request in enumerate(self._waiting):
+            if request.id == request_id:
+                del self._waiting[index]
+                self._finished.append(self._result(request, "cancelled", []))
+                return True
+        for request in self._rows:
+            if request is not None and request.id == request_id:
+                self._finished.append(self._release(request, "cancelled"))
+                return True
+        return False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._rows)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self.num_running or self._finished)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self, stream=None) -> list[FinishedRequest]:
+        """Admit what fits, run one speculative step over the rows in flight -> the requests that
+        finished (or were cancelled) since the last step. stream: called with (request id, token
+        ids just committed) for each request that got some."""
+        self.admit()
+        if not self.batch.finished.all():
+            self._decode(stream)
+        done, self._finished = self._finished, []
+        return done
+
+    def admit(self) -> np.ndarray:
+        """Admit waiting requests into free rows, first come first served, and prefill their
+        prompts -> the rows admitted. ``step()`` does this first."""
+        rows = self._admit()
+        if rows.size:
+            self._prefill(rows)
+        return rows
+
+    def _admit(self) -> np.ndarray:
+        free = [row for row, request in enumerate(self._rows) if request is None]
+        admitted = []
+        while free and self._waiting:
+            request, row = self._waiting.pop(0), free.pop(0)
+            request.row = row
+            self._rows[row] = request
+            self.batch.admit(row, request.prompt, request.max_new_tokens, request.seed)
+            admitted.append(row)
+        rows = np.array(admitted, dtype=np.int64)
+        if rows.size:
+            self.recorder.start_rows(rows)
+            for d in self.drafters:
+                d.start_rows(self.batch, rows)
+            self.policy.start_rows(self.batch, rows)
+            for row in rows[self.batch.finished[rows]]:  # max_new_tokens = 0: nothing to generate
+                self._finished.append(self._release(self._rows[row], "length"))
+        return rows
+
+    def _prefill(self, rows: np.ndarray) -> None:
+        """Fill the target's cache with each admitted prompt but its last token (the step feeds it)."""
+        rows = rows[(self.batch.prompt_lengths[rows] > 1) & ~self.batch.finished[rows]]
+        if len(rows):
+            counts = self.batch.prompt_lengths[rows] - 1
+            starts = np.zeros(len(rows), dtype=np.int64)
+            token_ids = self.batch.packed_tokens(rows, starts, counts)
+            layout = PackedLayout(rows=rows, starts=starts, counts=counts)
+            self.runner.forward(to_device(token_ids, self.device), layout, logits_indices=np.zeros(1, dtype=np.int64))
+
+    def _decode(self, stream) -> None:
+        batch, timer = self.batch, self._timer
+        step_started = time.perf_counter()
+        plan = _bounded(_checked(self.policy.plan(batch, len(self.drafters)), self.policy, batch, self._trees),
+                        batch, self._trees)
+        plan_time_s = time.perf_counter() - step_started
+        with timer.phase("draft"):
+            draft = _propose(self.drafters, batch, plan, self.device, self.vocab_size, timer)
+        with timer.phase("verify"):
+            verdict, cost = self.verifier.verify(self.runner, batch, draft, self.sampling,
+                                                 logprobs=self.return_logprobs)
+        rows = batch.active_rows()
+        host = verdict.to_host(self._group)  # the step's one synchronisation (rank 0 decides)
+        _raise_on_malformed_trees(host, plan, self.drafters)
+        lengths_before = batch.lengths.copy()
+        appended = batch.commit(host)
+        for d in self.drafters:
+            d.commit(lengths_before, host.num_accepted)
+        now = self.now()
+        for row in np.flatnonzero(appended):
+            request = self._rows[row]
+            if request.first_token_s is None:
+                request.first_token_s = now
+            if stream is not None:
+                stream(request.id, batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist())
+        times = timer.collect()
+        record = StepRecord(
+            step=self.steps,
+            rows=rows,
+            drafter_index=plan.drafter_index,
+            num_drafted=draft.num_tokens,
+            num_accepted=np.minimum(host.num_accepted, appended),
+            num_emitted=appended,
+            draft_time_s=times.get("draft", 0.0),
+            verify_time_s=times.get("verify", 0.0),
+            cost=cost,
+            drafter_time_s=np.array([times.get(f"drafter {i}", 0.0) for i in range(len(self.drafters))]),
+            drafter_wall_s=np.array([timer.host_seconds.get(f"drafter {i}", 0.0) for i in range(len(self.drafters))]),
+            step_time_s=time.perf_counter() - step_started,
+            plan_time_s=plan_time_s,
+            draft_depths=draft.depths if draft.is_tree else None,
+        )
+        self.recorder.record(record, now, batch.finished)
+        self.policy.observe(record)
+        self.steps += 1
+        for row in rows[batch.finished[rows]]:
+            request = self._rows[row]
+            budget_spent = batch.num_generated[row] >= batch.max_new_tokens[row]
+            self._finished.append(self._release(request, "length" if budget_spent else "eos"))
+
+    def _release(self, request: _Request, reason: str) -> FinishedRequest:
+        row = request.row
+        start, end = self.batch.prompt_lengths[row], self.batch.lengths[row]
+        logprobs = None
+        if self.return_logprobs:
+            logprobs = [] if self.batch.logprobs is None else self.batch.logprobs[row, start:end].tolist()
+        result = self._result(request, reason, self.batch.token_ids[row, start:end].tolist(),
+                              self.recorder.request_stats(row), logprobs)
+        self.batch.release(row)
+        self._rows[row] = None
+        return result
+
+    def _result(self, request: _Request, reason: str, token_ids: list[int], stats: RequestStats | None = None,
+                logprobs: list[float] | None = None) -> FinishedRequest:
+        if stats is None:
+            stats = RequestStats(steps=0, drafted=0, accepted=0, emitted=0, drafted_by_position=[],
+                                 accepted_by_position=[], wall_time_s=0.0)
+        return FinishedRequest(id=request.id, token_ids=token_ids, reason=reason, stats=stats,
+                               arrival_s=request.arrival_s, first_token_s=request.first_token_s,
+                               finish_s=self.now(), logprobs=logprobs)
+
+
+def _raise_on_malformed_trees(host, plan: Plan, drafters: list[Drafter]) -> None:
+    """A tree the verifier found malformed (sampling.tree_problems, copied with the verdict):
+    a clear error naming the row and its drafter, before anything is committed."""
+    if host.tree_problems is None or not host.tree_problems.any():
+        return
+    row = int(np.flatnonzero(host.tree_problems)[0])
+    drafter = drafters[plan.drafter_index[row]].describe()
+    raise ValueError(f"row {row}: the token tree from {drafter} is malformed: "
+                     f"{TREE_PROBLEMS[int(host.tree_problems[row])]}")
+
+
+def _checked(plan: Plan, policy: Policy, batch: BatchState, trees: np.ndarray) -> Plan:
+    """A policy's plan must name existing drafters, stay within its own max_draft_tokens, and ask
+    for trees only from drafters that grow them (``trees`` [D])."""
+    num_drafters = len(trees)
+    problem = None
+    if not isinstance(plan, Plan):
+        problem = f"returned {type(plan).__name__}, not a Plan"
+    elif plan.drafter_index.shape != (batch.num_rows,) or plan.num_draft_tokens.shape != (batch.num_rows,):
+        problem = f"returned arrays of shapes {plan.drafter_index.shape} and {plan.num_draft_tokens.shape}, not ({batch.num_rows},)"
+    elif plan.num_draft_tokens.min() < 0 or plan.num_draft_tokens.max() > policy.max_draft_tokens:
+        problem = f"asked for draft lengths outside [0, max_draft_tokens={policy.max_draft_tokens}]"
+    elif np.any((plan.num_draft_tokens > 0) & ((plan.drafter_index < 0) | (plan.drafter_index >= num_drafters))):
+        problem = f"named a drafter outside the {num_drafters} given to generate()"
+    elif plan.trees is not None and (plan.trees.shape != (batch.num_rows,) or plan.trees.dtype != bool):
+        problem = f"returned trees of shape {plan.trees.shape} and dtype {plan.trees.dtype}, not ({batch.num_rows},) bool"
+    elif plan.trees is not None and np.any(plan.trees & (plan.num_draft_tokens > 0) & ~trees[plan.drafter_index]):
+        problem = ("asked for a token tree from a drafter without a TreeSpec: give it tree=TreeSpec(...) or ask "
+                   "that row for a chain")
+    if problem:
+        raise ValueError(f"{policy!r} {problem}")
+    return plan
+
+
+def _bounded(plan: Plan, batch: BatchState, trees: np.ndarray) -> Plan:
+    """No drafting for finished rows, nor beyond what a row may still emit (the step's own
+    recovered or bonus token takes one of those). A row whose drafter grows trees (``trees``
+    [D]) keeps its node budget while it may emit two tokens or more: the drafter bounds the
+    tree's depth by what the row may still emit."""
+    limit = np.maximum(batch.remaining - 1, 0)
+    if plan.trees is not None:
+        tree_row = plan.trees
+    else:
+        tree_row = trees[plan.drafter_index] if len(trees) else np.zeros(batch.num_rows, dtype=bool)
+    limit = np.where(tree_row & (limit > 0), plan.num_draft_tokens, limit)
+    return Plan(drafter_index=plan.drafter_index, num_draft_tokens=np.minimum(plan.num_draft_tokens, limit),
+                trees=plan.trees)
+
+
+def _propose(drafters: list[Drafter], batch: BatchState, plan: Plan, device: torch.device, vocab_size: int,
+             timer: PhaseTimer) -> Draft:
+    """The step's draft: only the drafters some row asks for tokens are called (a drafter asked
+    for nothing costs nothing, whereas calling an idle drafter still costs host time, which
+    every multi-drafter step would pay); with one
+    drafter asked its draft is the step's, with several they are merged by row."""
+    if plan.max_draft_tokens == 0:
+        return empty_draft(batch.num_rows, device)
+    asked = np.unique(plan.drafter_index[plan.num_draft_tokens > 0])  # [D'] the drafters some row asks
+    drafts = []
+    for i in asked:
+        with timer.phase(f"drafter {i}"):  # nested in "draft": each drafter's share, for policies
+            # a drafter on another device (a second GPU, or the CPU) hands its proposals over here
+            counts = np.where(plan.drafter_index == i, plan.num_draft_tokens, 0)
+            # the per-row choice of tree or chain goes only to drafters that grow trees (others take no such argument)
+            shape = {} if plan.trees is None or not drafters[i].makes_trees else {"trees": plan.trees}
+            drafts.append(drafters[i].propose(batch, counts, **shape).to(device))
+    if len(drafts) == 1:
+        return drafts[0]  # every row it was not asked for has zero tokens in it
+    # each row's draft among those called; a row whose drafter was not called asks for nothing,
+    # and the first called draft gives it zero tokens
+    position = np.zeros(len(drafters), dtype=np.int64)
+    position[asked] = np.arange(len(asked))
+    return merge_drafts(drafts, position[plan.drafter_index], vocab_size)

@@ -1,0 +1,180 @@
+"""The Engine (continuous batching): a request's output does not depend on what else is in flight
+or when it arrived; cancelled requests and requests finishing beside new admissions leave the
+others exact; rows are reused without growth. CPU, float64 (greedy) and float32 (sampled)."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import Engine, SamplingParams, generate
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.policies import FixedPolicy
+from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model("llama", vocab_size=VOCAB, seed=3, dtype=torch.float64)
+
+
+def drafter_of(kind, target):
+    return {"model": lambda: ModelDrafter(perturbed_copy(target, 0.1)), "lookup": PromptLookupDrafter,
+            "none": lambda: None}[kind]()
+
+
+def run_schedule(engine, requests, arrivals):
+    """Add request i before step arrivals[i] (steps counted from 0); step until all are done
+    -> {id: FinishedRequest}, and the ids in request order."""
+    ids, finished, step = [None] * len(requests), {}, 0
+    while step <= max(arrivals) or engine.has_work():
+        for i in np.flatnonzero(np.asarray(arrivals) == step):
+            prompt, budget, seed = requests[i]
+            ids[i] = engine.add_request(prompt, max_new_tokens=budget, seed=seed)
+        finished.update((done.id, done) for done in engine.step())
+        step += 1
+    return finished, ids
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "none"])
+@pytest.mark.parametrize("schedule_seed", [0, 1])
+def test_every_request_gets_the_targets_greedy_output_whatever_arrives_beside_it(target, kind, schedule_seed):
+    rng = np.random.default_rng(schedule_seed)
+    prompts = random_prompts(9, VOCAB, seed=10 + schedule_seed, max_len=14)
+    budgets = rng.integers(1, 13, size=len(prompts)).tolist()
+    arrivals = np.sort(rng.integers(0, 12, size=len(prompts))).tolist()
+    policy = FixedPolicy(0 if kind == "none" else 3)
+    with Engine(target, drafter_of(kind, target), policy=policy, max_rows=3, max_len=40, eos_token_id=[]) as engine:
+        finished, ids = run_schedule(engine, [(p, b, 0) for p, b in zip(prompts, budgets)], arrivals)
+    for prompt, budget, request_id in zip(prompts, budgets, ids):
+        done = finished[request_id]
+        assert done.token_ids == hf_greedy(target, prompt, budget)
+        if kind == "model":  # the drafter forgot the row's last request: it drafts as for this one alone
+            alone = generate(target, [prompt], drafter=drafter_of(kind, target), policy=policy, max_new_tokens=budget,
+                             eos_token_id=[])
+            assert done.stats.accepted == alone.stats.requests[0].accepted
+        assert done.reason == "length" and done.stats.emitted == budget
+        assert done.arrival_s <= done.first_token_s <= done.finish_s
+
+
+def test_sampled_output_depends_only_on_the_requests_seed(target):
+    """Bit-identical on CPU: a request alone through generate() and the same request among
+    others arriving at other steps, under the same seed."""
+    model = make_model("llama", vocab_size=VOCAB, seed=5, dtype=torch.float32)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95)
+    prompts = random_prompts(6, VOCAB, seed=4)
+    seeds = [11, 22, 33, 44, 55, 66]
+    drafter = ModelDrafter(perturbed_copy(model, 0.5))
+    runs = [generate(model, [p], drafter=drafter, policy=FixedPolicy(3), max_new_tokens=10, sampling=sampling,
+                     seed=[s], eos_token_id=[]) for p, s in zip(prompts, seeds)]
+    with Engine(model, drafter, policy=FixedPolicy(3), max_rows=2, max_len=40, sampling=sampling,
+                eos_token_id=[]) as engine:
+        finished, ids = run_schedule(engine, [(p, 10, s) for p, s in zip(prompts, seeds)], [0, 0, 1, 4, 4, 7])
+    alone = [run.sequences[0] for run in runs]
+    assert [finished[i].token_ids for i in ids] == alone
+    assert len({tuple(a) for a in alone}) == len(alone)  # the seeds do matter
+    # the drafter too drafts from the request's own seed: the same drafts, so the same acceptances
+    assert [finished[i].stats.accepted for i in ids] == [run.stats.requests[0].accepted for run in runs]
+
+
+def test_a_cancelled_request_frees_its_row_and_the_others_stay_exact(target):
+    prompts = random_prompts(4, VOCAB, seed=21, min_len=3)
+    with Engine(target, drafter_of("model", target), policy=FixedPolicy(2), max_rows=2, max_len=40,
+                eos_token_id=[]) as engine:
+        ids = [engine.add_request(p, max_new_tokens=12) for p in prompts]
+        first = engine.step()
+        assert first == [] and engine.num_running == 2 and engine.num_waiting == 2
+        assert engine.cancel(ids[0]) and engine.cancel(ids[3])  # one running, one waiting
+        assert not engine.cancel(ids[3])
+        finished = {}
+        while engine.has_work():
+            finished.update((done.id, done) for done in engine.step())
+    assert finished[ids[3]].reason == "cancelled" and finished[ids[3]].token_ids == []
+    cancelled = finished[ids[0]]
+    expected = hf_greedy(target, prompts[0], 12)
+    assert cancelled.reason == "cancelled" and 1 <= len(cancelled.token_ids) < 12
+    assert cancelled.token_ids == expected[: len(cancelled.token_ids)]
+    for i in (1, 2):  # request 2 ran in the cancelled request's row
+        assert finished[ids[i]].token_ids == hf_greedy(target, prompts[i], 12)
+
+
+def test_requests_finishing_on_eos_as_others_are_admitted(target):
+    """EOS is a token the first request emits early, so rows free up (and are refilled) while
+    the others run; every output is the target's, cut after its first EOS."""
+    prompts = random_prompts(6, VOCAB, seed=31, min_len=2)
+    eos = hf_greedy(target, prompts[0], 12)[2]
+    with Engine(target, drafter_of("model", target), policy=FixedPolicy(3), max_rows=2, max_len=40,
+                eos_token_id=eos) as engine:
+        finished, ids = run_schedule(engine, [(p, 12, 0) for p in prompts], [0, 0, 1, 1, 2, 2])
+    reasons = set()
+    for prompt, request_id in zip(prompts, ids):
+        done = finished[request_id]
+        assert done.token_ids == hf_greedy(target, prompt, 12, eos_token_id=eos)
+        reasons.add(done.reason)
+        assert done.reason == ("eos" if done.token_ids[-1] == eos else "length")
+    assert reasons == {"eos", "length"}
+
+
+def test_rows_are_reused_without_growth(target):
+    """Forty requests through two rows: the caches are never reallocated and what the engine
+    keeps does not grow with the number of requests served."""
+    prompts = random_prompts(40, VOCAB, seed=41, max_len=10)
+    with Engine(target, drafter_of("model", target), policy=FixedPolicy(2), max_rows=2, max_len=24,
+                eos_token_id=[]) as engine:
+        def serve(chunk):
+            for p in chunk:
+                engine.add_request(p, max_new_tokens=6)
+            count = 0
+            while engine.has_work():
+                count += len(engine.step())
+            return count
+
+        assert serve(prompts[:10]) == 10
+        cache = engine.runner.cache
+        pointers = [t.data_ptr() for t in cache.keys + cache.values]
+        tracemalloc.start()
+        serve(prompts[10:20])
+        before = tracemalloc.take_snapshot()
+        assert serve(prompts[20:]) == 20
+        grown = sum(stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename"))
+        tracemalloc.stop()
+        assert [t.data_ptr() for t in cache.keys + cache.values] == pointers
+        assert engine.batch.token_ids.shape == (2, 24) and engine.num_running == engine.num_waiting == 0
+    assert grown < 200_000, f"the engine's host memory grew by {grown} bytes over 20 requests"
+
+
+def test_a_request_that_asks_for_no_tokens_finishes_at_admission(target):
+    with Engine(target, max_rows=1, max_len=20, policy=FixedPolicy(0)) as engine:
+        request = engine.add_request([1, 2, 3], max_new_tokens=0)
+        (done,) = engine.step()
+    assert done.id == request and done.token_ids == [] and done.reason == "length"
+
+
+def test_bad_requests_and_engines_get_clear_errors(target):
+    with pytest.raises(ValueError, match="max_rows must be an int >= 1"):
+        Engine(target, max_rows=0)
+    with pytest.raises(ValueError, match="does not fit rows of max_len=8"):
+        Engine(target, max_len=8, max_new_tokens=9)
+    with Engine(target, max_rows=1, max_len=10, max_new_tokens=6, policy=FixedPolicy(0)) as engine:
+        with pytest.raises(ValueError, match="needs 12 positions, but the engine's rows hold max_len=10"):
+            engine.add_request(list(range(6)), max_new_tokens=6)
+        with pytest.raises(ValueError, match="more than this engine's max_new_tokens=6"):
+            engine.add_request([1], max_new_tokens=7)
+        with pytest.raises(ValueError, match="vocabulary|token id"):
+            engine.add_request([VOCAB + 5], max_new_tokens=2)
+
+
+def test_a_second_user_of_the_same_target_on_the_thread_is_refused_while_an_engine_is_open(target):
+    with Engine(target, max_rows=1, max_len=20, policy=FixedPolicy(0)) as engine:
+        engine.add_request([1, 2, 3], max_new_tokens=4)
+        engine.step()
+        with pytest.raises(RuntimeError, match="already in use by an open Engine"):
+            generate(target, [[4, 5]], max_new_tokens=2)
+        done = []
+        while engine.has_work():
+            done += engine.step()
+    assert [d.token_ids for d in done] == [hf_greedy(target, [1, 2, 3], 4)]
+    assert generate(target, [[4, 5]], max_new_tokens=2).sequences == [hf_greedy(target, [4, 5], 2)]

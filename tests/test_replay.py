@@ -1,0 +1,42 @@
+"""Replaying an arrival trace against the Engine in real time (specdec/replay.py)."""
+
+import pytest
+import torch
+
+from specdec import Engine
+from specdec.drafters import ModelDrafter
+from specdec.load import summarize
+from specdec.policies import FixedPolicy
+from specdec.replay import replay
+from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model("llama", seed=7, dtype=torch.float64)
+
+
+def test_a_trace_is_served_exactly_and_each_request_waits_for_its_arrival(target):
+    prompts = random_prompts(6, 96, seed=5)
+    arrivals = [0.0, 0.02, 0.02, 0.25, 0.26, 0.5]
+    with Engine(target, ModelDrafter(perturbed_copy(target, 0.1)), policy=FixedPolicy(2), max_rows=2, max_len=32,
+                eos_token_id=[]) as engine:
+        served = replay(engine, prompts, arrivals, max_new_tokens=8)
+    assert [s.result.token_ids for s in served] == [hf_greedy(target, p, 8) for p in prompts]
+    for s, arrival in zip(served, arrivals):
+        assert s.timing.arrival_s == arrival
+        assert arrival <= s.timing.first_token_s <= s.timing.finish_s  # no token before its arrival
+        assert s.timing.output_tokens == 8
+    assert served[-1].timing.finish_s >= 0.5  # the replay waited for the last arrival
+    summary = summarize([s.timing for s in served])
+    assert summary["requests"] == 6 and summary["output_tokens"] == 48 and summary["span_s"] >= 0.5
+
+
+def test_bad_traces_are_refused(target):
+    with Engine(target, max_rows=1, max_len=16, policy=FixedPolicy(0)) as engine:
+        with pytest.raises(ValueError, match="in order"):
+            replay(engine, [[1], [2]], [0.2, 0.1], max_new_tokens=2)
+        with pytest.raises(ValueError, match="one arrival time per prompt"):
+            replay(engine, [[1], [2]], [0.1], max_new_tokens=2)
+        with pytest.raises(ValueError, match="at least one token"):
+            replay(engine, [[1]], [0.0], max_new_tokens=0)
