@@ -37,6 +37,7 @@ class BatchState:
         self.stop_sequences = [np.asarray(s, dtype=np.int64) for s in stop_sequences]  # a row stops after one
         self.min_new_tokens = min_new_tokens  # EOS is impossible before a row has generated this many
         self.finished = self.max_new_tokens == 0  # [B]
+        self.stopped = np.zeros(self.num_rows, dtype=bool)  # [B] ended by an EOS token or a stop sequence
         self.logprobs: np.ndarray | None = None  # [B, T] float32 once a verdict carries them
 
     @classmethod
@@ -60,6 +61,7 @@ class BatchState:
         self.max_new_tokens[row] = max_new_tokens
         self.seeds[row] = seed
         self.finished[row] = max_new_tokens == 0
+        self.stopped[row] = False
         if self.logprobs is not None:
             self.logprobs[row] = np.nan
 
@@ -107,6 +109,7 @@ class BatchState:
         hit_eos = is_eos.any(axis=1) & (through_eos <= appended)
         hit_stop = self._cut_at_stop_sequences(appended)
         self.lengths += appended
+        self.stopped |= hit_eos | hit_stop
         self.finished |= hit_eos | hit_stop | (self.num_generated >= self.max_new_tokens)
         return appended
 

@@ -1,7 +1,7 @@
 """Engine: continuous batching, the serving loop SmartSpec and SPIN assume (DESIGN §9).
 
 Requests arrive with ``add_request`` and wait; each ``step()`` first admits waiting requests into
-free cache rows (their prompts are prefilled in one pass just before the step's verification),
+free cache rows (their prompts are prefilled in one pass before the step's plan),
 then runs one speculative step over every row in flight: the policy plans (drafter and length
 per row), drafters propose, the verifier scores every active row's draft in one target forward
 and applies the acceptance rule, the rows commit the emitted tokens (the step's one host
@@ -43,6 +43,9 @@ from .verifiers.base import Verifier
 from .verifiers.padding_free import PaddingFreeVerifier
 
 
+ENGINE_FLAG = "_specdec_engine_open"  # set on a drafter while an Engine (or generate()) drafts with it
+
+
 @dataclass(frozen=True)
 class FinishedRequest:
     """A request the engine is done with. Times are seconds on the engine's clock (from its
@@ -77,7 +80,8 @@ class Engine:
     are sized for drafts no longer than that allows.
 
     Use it as a context manager, or call ``close()``: while open it holds the target's (and the
-    drafters') runners and caches.
+    drafters') runners and caches, and the models' locks, taken by the thread that built it (step
+    it from that thread).
     """
 
     def __init__(self, target, drafter: Drafter | list[Drafter] | None = None, verifier: Verifier | None = None,
@@ -87,7 +91,7 @@ class Engine:
                  min_new_tokens: int = 0, stop_sequences: list[list[int]] | None = None,
                  return_logprobs: bool = False, max_new_tokens: int | None = None):
         self.vocab_size, self.device = inputs.check_target(target)
-        if not (isinstance(max_rows, int) and max_rows >= 1):
+        if not (isinstance(max_rows, int) and not isinstance(max_rows, bool) and max_rows >= 1):
             raise ValueError(f"max_rows must be an int >= 1 (cache rows, the most requests in flight), got {max_rows!r}")
         if not (isinstance(max_len, int) and max_len >= 1):
             raise ValueError(f"max_len must be an int >= 1 (positions per row: prompt plus new tokens), got {max_len!r}")
@@ -104,6 +108,10 @@ class Engine:
         inputs.check_drafters(self.drafters, self.vocab_size, [longest_prompt], self.max_new_tokens)
         for d in self.drafters:
             d.check_target(target)
+        for d in self.drafters:
+            if getattr(d, ENGINE_FLAG, False):
+                raise RuntimeError(f"{d.describe()} is already drafting for an open Engine (or a generate() call); "
+                                   "a drafter keeps one call's state: give this one a drafter of its own")
         self.verifier = PaddingFreeVerifier() if verifier is None else verifier
         self.policy = (FixedPolicy(4) if self.drafters else FixedPolicy(0)) if policy is None else policy
         inputs.check_component(self.verifier, Verifier, "verifier")
@@ -146,6 +154,9 @@ class Engine:
             self._stack.enter_context(self.runner.attached())
             self.runner.in_use = True
             self._stack.callback(setattr, self.runner, "in_use", False)
+            for d in self.drafters:
+                setattr(d, ENGINE_FLAG, True)
+                self._stack.callback(setattr, d, ENGINE_FLAG, False)
             for d in self.drafters:
                 self._stack.callback(d.finish)  # first: a start that fails half-way is still undone
                 d.bind_target(self.runner)
@@ -204,13 +215,19 @@ class Engine:
         for index, request in enumerate(self._waiting):
             if request.id == request_id:
                 del self._waiting[index]
-                self._finished.append(self._result(request, "cancelled", []))
+                self._finished.append(self._result(request, "cancelled", [], logprobs=[] if self.return_logprobs
+                                                   else None))
                 return True
         for request in self._rows:
             if request is not None and request.id == request_id:
                 self._finished.append(self._release(request, "cancelled"))
                 return True
         return False
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the target is sharded over processes (every rank must add the same requests)."""
+        return self._group is not None
 
     @property
     def num_waiting(self) -> int:
@@ -239,7 +256,16 @@ class Engine:
         prompts -> the rows admitted. ``step()`` does this first."""
         rows = self._admit()
         if rows.size:
-            self._prefill(rows)
+            try:
+                self._prefill(rows)
+            except BaseException:  # (out of memory, say) the rows hold no valid cache: back to the queue
+                for row in rows[::-1]:
+                    request = self._rows[row]
+                    if request is not None:
+                        self.batch.release(row)
+                        self._rows[row], request.row = None, -1
+                        self._waiting.insert(0, request)
+                raise
         return rows
 
     def _admit(self) -> np.ndarray:
@@ -290,12 +316,13 @@ class Engine:
         for d in self.drafters:
             d.commit(lengths_before, host.num_accepted)
         now = self.now()
+        streamed = []  # (request id, its new tokens), handed to ``stream`` once the step is complete
         for row in np.flatnonzero(appended):
             request = self._rows[row]
             if request.first_token_s is None:
                 request.first_token_s = now
             if stream is not None:
-                stream(request.id, batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist())
+                streamed.append((request.id, batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist()))
         times = timer.collect()
         record = StepRecord(
             step=self.steps,
@@ -317,9 +344,9 @@ class Engine:
         self.policy.observe(record)
         self.steps += 1
         for row in rows[batch.finished[rows]]:
-            request = self._rows[row]
-            budget_spent = batch.num_generated[row] >= batch.max_new_tokens[row]
-            self._finished.append(self._release(request, "length" if budget_spent else "eos"))
+            self._finished.append(self._release(self._rows[row], "eos" if batch.stopped[row] else "length"))
+        for request_id, tokens in streamed:  # last: a callback may cancel requests or raise
+            stream(request_id, tokens)
 
     def _release(self, request: _Request, reason: str) -> FinishedRequest:
         row = request.row
@@ -327,8 +354,9 @@ class Engine:
         logprobs = None
         if self.return_logprobs:
             logprobs = [] if self.batch.logprobs is None else self.batch.logprobs[row, start:end].tolist()
-        result = self._result(request, reason, self.batch.token_ids[row, start:end].tolist(),
-                              self.recorder.request_stats(row), logprobs)
+        stats = self.recorder.request_stats(row)
+        stats.wall_time_s = self.now() - request.arrival_s  # the request's own: from its arrival
+        result = self._result(request, reason, self.batch.token_ids[row, start:end].tolist(), stats, logprobs)
         self.batch.release(row)
         self._rows[row] = None
         return result
@@ -337,7 +365,7 @@ class Engine:
                 logprobs: list[float] | None = None) -> FinishedRequest:
         if stats is None:
             stats = RequestStats(steps=0, drafted=0, accepted=0, emitted=0, drafted_by_position=[],
-                                 accepted_by_position=[], wall_time_s=0.0)
+                                 accepted_by_position=[], wall_time_s=self.now() - request.arrival_s)
         return FinishedRequest(id=request.id, token_ids=token_ids, reason=reason, stats=stats,
                                arrival_s=request.arrival_s, first_token_s=request.first_token_s,
                                finish_s=self.now(), logprobs=logprobs)

@@ -40,6 +40,9 @@ def replay(engine: Engine, prompts: list, arrivals, max_new_tokens: int = 128, s
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
     if engine.has_work():
         raise ValueError("the engine already has requests: replay a trace on an idle engine")
+    if engine.tensor_parallel:
+        raise ValueError("replay admits requests by each process's own clock, which would part a tensor-parallel "
+                         "target's ranks: replay on a target of one process")
     start = engine.now()
     ids, finished, next_request = [], {}, 0
     while next_request < len(prompts) or engine.has_work():

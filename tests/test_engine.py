@@ -178,3 +178,75 @@ def test_a_second_user_of_the_same_target_on_the_thread_is_refused_while_an_engi
             done += engine.step()
     assert [d.token_ids for d in done] == [hf_greedy(target, [1, 2, 3], 4)]
     assert generate(target, [[4, 5]], max_new_tokens=2).sequences == [hf_greedy(target, [4, 5], 2)]
+
+
+def test_stream_callbacks_may_cancel_or_raise_and_the_engine_stays_whole(target):
+    prompts = random_prompts(3, VOCAB, seed=51, min_len=2)
+    with Engine(target, drafter_of("model", target), policy=FixedPolicy(2), max_rows=3, max_len=40,
+                eos_token_id=[]) as engine:
+        ids = [engine.add_request(p, max_new_tokens=10) for p in prompts]
+        seen = {i: [] for i in ids}
+
+        def cancelling(request_id, tokens):
+            seen[request_id] += tokens
+            if request_id == ids[0]:
+                engine.cancel(ids[0])
+                engine.cancel(ids[1])
+
+        finished = {done.id: done for done in engine.step(stream=cancelling)}
+        record = lambda i, t: seen[i].extend(t)  # noqa: E731
+        finished.update((done.id, done) for done in engine.step(stream=record))  # the cancellations come here
+
+        def failing(request_id, tokens):
+            seen[request_id] += tokens
+            raise KeyError("a callback's own error")
+
+        with pytest.raises(KeyError):
+            engine.step(stream=failing)
+        while engine.has_work():
+            finished.update((done.id, done) for done in engine.step(stream=record))
+    assert finished[ids[0]].reason == finished[ids[1]].reason == "cancelled"
+    assert finished[ids[2]].token_ids == seen[ids[2]] == hf_greedy(target, prompts[2], 10)
+    for i in ids[:2]:
+        assert finished[i].token_ids == seen[i] == hf_greedy(target, prompts[i], 10)[: len(seen[i])]
+
+
+def test_a_failed_prefill_puts_its_requests_back_in_the_queue(target, monkeypatch):
+    prompts = random_prompts(2, VOCAB, seed=61, min_len=3)
+    with Engine(target, max_rows=2, max_len=30, policy=FixedPolicy(0), eos_token_id=[]) as engine:
+        ids = [engine.add_request(p, max_new_tokens=5) for p in prompts]
+        real = Engine._prefill
+
+        def out_of_memory(self, rows):
+            monkeypatch.setattr(Engine, "_prefill", real)
+            raise MemoryError("no room")
+
+        monkeypatch.setattr(Engine, "_prefill", out_of_memory)
+        with pytest.raises(MemoryError):
+            engine.step()
+        assert engine.num_waiting == 2 and engine.num_running == 0
+        finished = {}
+        while engine.has_work():
+            finished.update((done.id, done) for done in engine.step())
+    assert [finished[i].token_ids for i in ids] == [hf_greedy(target, p, 5) for p in prompts]
+
+
+def test_eos_on_the_last_budgeted_token_is_reported_as_eos(target):
+    prompt = random_prompts(1, VOCAB, seed=71, min_len=3)[0]
+    expected = hf_greedy(target, prompt, 4)
+    with Engine(target, max_rows=1, max_len=30, policy=FixedPolicy(0), eos_token_id=expected[3]) as engine:
+        engine.add_request(prompt, max_new_tokens=4)
+        done = []
+        while engine.has_work():
+            done += engine.step()
+    assert expected[3] not in expected[:3]  # so the request ends on its fourth token, its last
+    assert done[0].token_ids == expected and done[0].reason == "eos"
+
+
+def test_a_drafter_drafting_for_an_open_engine_is_refused_elsewhere(target):
+    drafter = drafter_of("model", target)
+    other = make_model("llama", vocab_size=VOCAB, seed=9, dtype=torch.float64)
+    with Engine(target, drafter, policy=FixedPolicy(2), max_rows=1, max_len=20):
+        with pytest.raises(RuntimeError, match="already drafting for an open Engine"):
+            generate(other, [[1, 2]], drafter=drafter, max_new_tokens=2)
+    assert generate(other, [[1, 2]], drafter=drafter, max_new_tokens=2).sequences == [hf_greedy(other, [1, 2], 2)]
