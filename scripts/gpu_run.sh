@@ -13,6 +13,8 @@
 #   long      python -m specdec bench --long-context on the gpu-long zoo (built first, with its SPIRe drafts:
 #             ~8 min alone), contexts $CONTEXTS (default 1024,4096,16384), batch $BATCH_SIZES (default 1,16,64),
 #             k $KS (default 2,3,4,5,6); more options in $LONG_ARGS
+#   serve     python -m specdec serve-bench on the gpu zoo: request latency against request rate on the Engine,
+#             plain decoding, k = 1/3/5 and GoodputPolicy (options in $SERVE_ARGS, e.g. "--loads 0.1,0.5,0.9")
 #   policies  python -m specdec bench --policies --batch-sizes $BATCH_SIZES (default 16) with $POLICY_ARGS
 #   demo      python -m specdec demo --preset gpu --device cuda
 # The gpu zoo is built first when a part needs it (~3 min). Everything is written under a work
@@ -34,7 +36,7 @@ TAG=${TAG:-gpu}
 if has tests; then
   timeout 480 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$WORK/cuda_tests.log" | tail -25; pack
 fi
-if has quick || has bench || has trees || has policies || has demo; then  # the gpu zoo
+if has quick || has bench || has trees || has serve || has policies || has demo; then  # the gpu zoo
   timeout 300 python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$WORK/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$WORK/zoo_gpu_manifest_$TAG.json"; pack
@@ -53,6 +55,8 @@ if has long; then
     --contexts "${CONTEXTS:-1024,4096,16384}" --batch-sizes "${BATCH_SIZES:-1,16,64}" --ks "${KS:-2,3,4,5,6}" \
     ${LONG_ARGS:-} --out "$WORK" 2>&1 | tee "$WORK/long.log" | quiet | tail -60; pack; }
 fi
+has serve && { timeout ${SERVE_TIMEOUT:-540} python3 -m specdec serve-bench --preset gpu --device cuda ${SERVE_ARGS:-} \
+  --out "$WORK" 2>&1 | tee "$WORK/serve.log" | quiet | tail -60; pack; }
 has policies && { python3 -m specdec bench --policies --preset gpu --device cuda --batch-sizes "${BATCH_SIZES:-16}" \
   ${POLICY_ARGS:---num-prompts 16 --history-prompts 8 --pass-calls 2 --repeats 3 --time-limit-s 300} \
   --name "policies_$TAG" --out "$WORK" 2>&1 | tee "$WORK/policies.log" | quiet | tail -30; pack; }

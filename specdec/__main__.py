@@ -4,6 +4,7 @@
     python -m specdec bench [--quick] [--parts zoo,bandwidth,trees] [--preset gpu] [--out benchmarks/results]
     python -m specdec bench --policies [--quick] [--preset gpu] [--time-limit-s S] [--out benchmarks/results]
     python -m specdec bench --long-context [--contexts 1024,4096,16384] [--batch-sizes 1,16,64] [--ks 2,3,4,5,6]
+    python -m specdec serve-bench [--preset gpu] [--loads 0.1,0.5,0.9] [--methods plain,k1,k3,k5,goodput]
     python -m specdec zoo build --preset cpu|gpu|gpu-long|tiny [--out DIR] [--force]
     python -m specdec zoo prompts --preset cpu --out prompts.jsonl [--count N] [--tokens T]
 """
@@ -109,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.policies import main as policies_main
 
         return policies_main([a for a in argv[1:] if a != "--policies"])
+    if argv[:1] == ["serve-bench"]:  # its own options: specdec/bench/serve.py
+        from .bench.serve import main as serve_main
+
+        return serve_main(argv[1:])
     if argv[:1] == ["bench"] and "--long-context" in argv:  # its own options: specdec/bench/long_context.py
         from .bench.long_context import main as long_context_main
 

@@ -1,0 +1,253 @@
+"""``python -m specdec serve-bench``: request latency against request rate on the Engine
+(SmartSpec, arXiv 2406.14066, Figure 1 and §5: speculation pays at light load and costs at
+saturation; a goodput-driven length tracks the best fixed one at every rate).
+
+On a zoo preset, side by side in one process:
+1. Saturation: every request arrives at once, for each method on the Engine (``max_rows`` rows
+   refilled as requests finish) and, for plain decoding and each speculative method, on static
+   generate() batches of ``max_rows`` requests (the issue's throughput comparison).
+2. Capacity: plain decoding's saturated request rate; the load grid is ``loads`` x capacity, from
+   light load to past saturation.
+3. For each rate, one Poisson trace (seeded, the same for every method) replayed in real time
+   (specdec/replay.py) against plain decoding, fixed k = 1, 3, 5 with the chosen drafter (the zoo
+   drafter with the highest saturated throughput at k = 3) and GoodputPolicy (a cost model profiled
+   first): mean, p50, p90, p99 latency, time to first token, time per output token. Greedy;
+   every output is compared with plain decoding's.
+
+Writes serve_*.json, .md and .png (mean latency against rate, one line per method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import Engine, generate
+from ..drafters import ModelDrafter
+from ..load import poisson_arrivals, summarize
+from ..policies import FixedPolicy, GoodputPolicy
+from ..policies.cost_model import ProfileGrid, profile
+from ..replay import replay
+from ..zoo import build, load
+from ..zoo.prompts import heldout_prompts
+
+FIXED = {"plain": 0, "k1": 1, "k3": 3, "k5": 5}
+
+
+@dataclass
+class ServeSettings:
+    preset: str = "gpu"
+    device: str = "cuda"
+    num_requests: int = 64
+    prompt_tokens: int = 128
+    max_new_tokens: int = 128
+    max_rows: int = 16
+    loads: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1)  # fractions of plain decoding's capacity
+    methods: tuple[str, ...] = ("plain", "k1", "k3", "k5", "goodput")
+    zoo_dir: str | None = None
+    seed: int = 0
+    out: str = "benchmarks/results"
+
+    @property
+    def graphs(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def engine_for(zoo, drafter_name: str | None, policy, settings: ServeSettings) -> Engine:
+    drafter = None if drafter_name is None else ModelDrafter(zoo.drafters[drafter_name], cuda_graphs=settings.graphs)
+    return Engine(zoo.target, drafter, policy=policy, max_rows=settings.max_rows,
+                  max_len=settings.prompt_tokens + settings.max_new_tokens, eos_token_id=zoo.tokenizer.eos_token_id,
+                  cuda_graphs=settings.graphs, max_new_tokens=settings.max_new_tokens)
+
+
+def serve(zoo, drafter_name, policy, prompts, arrivals, settings: ServeSettings) -> tuple[dict, list[list[int]]]:
+    """One trace on a fresh engine -> (latency summary, outputs)."""
+    with engine_for(zoo, drafter_name, policy, settings) as engine:
+        served = replay(engine, prompts, arrivals, settings.max_new_tokens)
+    return summarize([s.timing for s in served]), [s.result.token_ids for s in served]
+
+
+def static_throughput(zoo, drafter_name, k, prompts, settings: ServeSettings) -> float:
+    """Tokens per second of static generate() batches of ``max_rows`` requests, one after another."""
+    drafter = None if drafter_name is None else ModelDrafter(zoo.drafters[drafter_name], cuda_graphs=settings.graphs)
+    chunks = [prompts[i : i + settings.max_rows] for i in range(0, len(prompts), settings.max_rows)]
+    options = dict(drafter=drafter, policy=FixedPolicy(k), max_new_tokens=settings.max_new_tokens,
+                   eos_token_id=zoo.tokenizer.eos_token_id, cuda_graphs=settings.graphs)
+    generate(zoo.target, chunks[0], **options)  # warm-up: runners and graphs
+    if settings.graphs:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    tokens = sum(len(s) for chunk in chunks for s in generate(zoo.target, chunk, **options).sequences)
+    if settings.graphs:
+        torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - started)
+
+
+def run(settings: ServeSettings, log=print) -> dict:
+    from .harness import environment
+
+    cuda = settings.device.startswith("cuda")
+    build(settings.preset, out=settings.zoo_dir, device=settings.device)
+    zoo = load(settings.preset, out=settings.zoo_dir, device=settings.device,
+               dtype=torch.bfloat16 if cuda else torch.float32)
+    records = heldout_prompts(zoo.heldout_texts(), zoo.tokenizer, settings.num_requests, settings.prompt_tokens)
+    prompts = [zoo.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in records]
+    at_once = np.zeros(len(prompts))
+    result = dict(settings=asdict(settings), environment=environment(settings.device), saturation=[], rows=[],
+                  command="python -m specdec serve-bench")
+
+    speeds = {}
+    for name in zoo.drafters:  # the drafter of the fixed lengths: the fastest at k = 3, saturated
+        summary, _ = serve(zoo, name, FixedPolicy(3), prompts, at_once, settings)
+        speeds[name] = summary["tokens_per_s"]
+        log(f"drafter {name}: {speeds[name]:.0f} tok/s saturated at k=3")
+    drafter = max(speeds, key=speeds.get)
+    result["drafter"] = drafter
+    policies = {name: (None if k == 0 else drafter, lambda k=k: FixedPolicy(k)) for name, k in FIXED.items()}
+    if "goodput" in settings.methods:
+        grid = ProfileGrid.tiny() if not cuda else ProfileGrid(
+            batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= settings.max_rows), tokens_per_row=(1, 2, 4, 6),
+            context_lengths=(settings.prompt_tokens, settings.prompt_tokens + settings.max_new_tokens // 2,
+                             settings.prompt_tokens + settings.max_new_tokens), draft_lengths=(1, 2, 4, 5))
+        cost_model = profile(zoo.target, [ModelDrafter(zoo.drafters[drafter], cuda_graphs=settings.graphs)],
+                             grid=grid, cuda_graphs=settings.graphs)
+        policies["goodput"] = (drafter, lambda: GoodputPolicy(cost_model, max_draft_tokens=5))
+    methods = [m for m in settings.methods if m in policies]
+
+    outputs = {}
+    for method in methods:
+        name, make = policies[method]
+        summary, outputs[method] = serve(zoo, name, make(), prompts, at_once, settings)
+        k = FIXED.get(method)
+        static = static_throughput(zoo, name, k, prompts, settings) if k is not None else None
+        result["saturation"].append(dict(method=method, engine_tokens_per_s=summary["tokens_per_s"],
+                                         requests_per_s=summary["requests_per_s"], static_tokens_per_s=static,
+                                         identical=outputs[method] == outputs.get("plain")))
+        log(f"saturated {method}: engine {summary['tokens_per_s']:.0f} tok/s"
+            + (f", static generate() {static:.0f} tok/s" if static else ""))
+    capacity = next(r["requests_per_s"] for r in result["saturation"] if r["method"] == methods[0])
+    result["capacity_requests_per_s"] = capacity
+
+    for load_fraction in settings.loads:
+        rate = load_fraction * capacity
+        arrivals = poisson_arrivals(rate, len(prompts), seed=settings.seed)
+        for method in methods:
+            name, make = policies[method]
+            summary, got = serve(zoo, name, make(), prompts, arrivals, settings)
+            row = dict(load=load_fraction, rate=rate, method=method, identical=got == outputs[methods[0]], **summary)
+            result["rows"].append(row)
+            log(f"load {load_fraction:.2f} ({rate:.1f} req/s) {method:<8} mean latency {summary['latency_s']['mean']:.3f} s,"
+                f" p99 {summary['latency_s']['p99']:.3f} s, identical {row['identical']}")
+    result["targets"] = targets(result)
+    return result
+
+
+def targets(result: dict) -> list[dict]:
+    """Issue 34's: GoodputPolicy within 5% of the best other method's mean latency at every rate,
+    at least 1.5x faster than plain decoding at the lightest load; the engine's saturated
+    throughput at least static generate()'s."""
+    out = []
+    loads = sorted({r["load"] for r in result["rows"]})
+    for load_fraction in loads:
+        cell = {r["method"]: r["latency_s"]["mean"] for r in result["rows"] if r["load"] == load_fraction}
+        if "goodput" not in cell or len(cell) < 2:
+            continue
+        best = min(v for m, v in cell.items() if m != "goodput")
+        ratio = cell["goodput"] / best
+        out.append(dict(target=f"load {load_fraction:.2f}: GoodputPolicy mean latency within 5% of the best other",
+                        value=round(ratio, 3), met=ratio <= 1.05))
+        if load_fraction == loads[0] and "plain" in cell:
+            speedup = cell["plain"] / cell["goodput"]
+            out.append(dict(target=f"load {load_fraction:.2f}: GoodputPolicy >= 1.5x faster than plain decoding",
+                            value=round(speedup, 3), met=speedup >= 1.5))
+    for row in result["saturation"]:
+        if row["static_tokens_per_s"]:
+            ratio = row["engine_tokens_per_s"] / row["static_tokens_per_s"]
+            out.append(dict(target=f"{row['method']}: engine saturated throughput >= static generate() batches",
+                            value=round(ratio, 3), met=ratio >= 1.0))
+    return out
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"Command: `{result['command']}`; {result['environment'].get('gpu', result['environment'].get('cpu', ''))};"
+             f" commit {result['environment'].get('commit', '?')}. Zoo `{s['preset']}`, greedy, {s['num_requests']}"
+             f" requests of up to {s['prompt_tokens']} prompt tokens and {s['max_new_tokens']} new tokens, "
+             f"{s['max_rows']} rows; drafter {result.get('drafter')}; capacity (plain decoding, saturated) "
+             f"{result.get('capacity_requests_per_s', float('nan')):.2f} requests/s.", "",
+             "| load | rate (req/s) | method | mean latency (s) | p50 | p90 | p99 | mean TTFT (s) | mean TPOT (ms) "
+             "| identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lat = r["latency_s"]
+        lines.append(f"| {r['load']:.2f} | {r['rate']:.2f} | {r['method']} | {lat['mean']:.3f} | {lat['p50']:.3f} | "
+                     f"{lat['p90']:.3f} | {lat['p99']:.3f} | {r['time_to_first_token_s']['mean']:.3f} | "
+                     f"{1000 * r['time_per_output_token_s']['mean']:.2f} | {'yes' if r['identical'] else 'no'} |")
+    lines += ["", "| method | engine tok/s (saturated) | static generate() tok/s | identical |", "|---|---|---|---|"]
+    for r in result["saturation"]:
+        static = "-" if r["static_tokens_per_s"] is None else f"{r['static_tokens_per_s']:.0f}"
+        lines.append(f"| {r['method']} | {r['engine_tokens_per_s']:.0f} | {static} | "
+                     f"{'-' if r['method'] == 'plain' else ('yes' if r['identical'] else 'no')} |")
+    if result.get("targets"):
+        lines += ["", "| target | measured | met |", "|---|---|---|"]
+        lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in result["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["method"] == method]
+        ax.plot([r["rate"] for r in rows], [r["latency_s"]["mean"] for r in rows], "o-", label=method)
+    ax.set_xlabel("request rate (requests/s)")
+    ax.set_ylabel("mean request latency (s)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(f"{result['settings']['preset']} zoo, {result['settings']['max_rows']} rows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    defaults = ServeSettings()
+    parser = argparse.ArgumentParser(prog="python -m specdec serve-bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default=defaults.preset)
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--num-requests", type=int, default=defaults.num_requests)
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--max-rows", type=int, default=defaults.max_rows)
+    parser.add_argument("--loads", default=",".join(map(str, defaults.loads)),
+                        help="request rates as fractions of plain decoding's saturated rate")
+    parser.add_argument("--methods", default=",".join(defaults.methods), help="of plain,k1,k3,k5,goodput")
+    parser.add_argument("--zoo-dir")
+    parser.add_argument("--out", default=defaults.out)
+    args = parser.parse_args(argv)
+    methods = tuple(args.methods.split(","))
+    unknown = [m for m in methods if m not in (*FIXED, "goodput")]
+    if unknown:
+        parser.error(f"unknown methods {unknown}: choose from plain, k1, k3, k5, goodput")
+    settings = ServeSettings(preset=args.preset, device=args.device, num_requests=args.num_requests,
+                             prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+                             max_rows=args.max_rows, loads=tuple(float(x) for x in args.loads.split(",")),
+                             methods=methods, zoo_dir=args.zoo_dir, out=args.out)
+    result = run(settings)
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"serve_{time.strftime('%Y%m%d_%H%M%S')}"
+    Path(f"{stem}.json").write_text(json.dumps(result, indent=2))
+    Path(f"{stem}.md").write_text(markdown(result))
+    plot(result, Path(f"{stem}.png"))
+    print(f"wrote {stem}.json, .md and .png")
+    return 0

@@ -1,0 +1,43 @@
+"""The serve bench end to end on the tiny zoo (CPU): every method serves every load, outputs
+equal plain decoding's, and the report, the plot and the targets are written."""
+
+import pytest
+
+from specdec.bench.serve import ServeSettings, main, markdown, run, targets
+
+
+def test_a_smoke_run_on_the_tiny_zoo(tiny_zoo_root, tmp_path):
+    settings = ServeSettings(preset="tiny", device="cpu", num_requests=6, prompt_tokens=24, max_new_tokens=6,
+                             max_rows=2, loads=(0.5, 2.0), methods=("plain", "k1", "goodput"),
+                             zoo_dir=str(tiny_zoo_root / "tiny"), out=str(tmp_path))
+    result = run(settings, log=lambda *_: None)
+    assert [(r["load"], r["method"]) for r in result["rows"]] == [
+        (0.5, "plain"), (0.5, "k1"), (0.5, "goodput"), (2.0, "plain"), (2.0, "k1"), (2.0, "goodput")]
+    assert all(r["identical"] and r["requests"] == 6 for r in result["rows"])
+    assert all(r["identical"] for r in result["saturation"])
+    assert result["capacity_requests_per_s"] > 0
+    half = [r for r in result["rows"] if r["load"] == 0.5]
+    assert all(r["rate"] == pytest.approx(0.5 * result["capacity_requests_per_s"]) for r in half)
+    names = {t["target"] for t in result["targets"]}
+    assert "load 0.50: GoodputPolicy >= 1.5x faster than plain decoding" in names
+    assert "k1: engine saturated throughput >= static generate() batches" in names
+    assert "| 2.00 |" in markdown(result)
+
+
+def test_targets_compare_goodput_with_the_best_other_method_at_each_load():
+    def row(load, method, latency):
+        return dict(load=load, method=method, latency_s={"mean": latency})
+
+    result = dict(rows=[row(0.1, "plain", 3.0), row(0.1, "k3", 1.5), row(0.1, "goodput", 1.56),
+                        row(1.0, "plain", 9.0), row(1.0, "k3", 12.0), row(1.0, "goodput", 9.9)],
+                  saturation=[dict(method="k3", engine_tokens_per_s=90.0, static_tokens_per_s=100.0)])
+    found = {t["target"]: t for t in targets(result)}
+    assert found["load 0.10: GoodputPolicy mean latency within 5% of the best other"]["met"]  # 1.56 / 1.5 = 1.04
+    assert found["load 0.10: GoodputPolicy >= 1.5x faster than plain decoding"]["value"] == round(3.0 / 1.56, 3)
+    assert not found["load 1.00: GoodputPolicy mean latency within 5% of the best other"]["met"]  # 9.9 / 9.0
+    assert not found["k3: engine saturated throughput >= static generate() batches"]["met"]
+
+
+def test_unknown_methods_are_refused():
+    with pytest.raises(SystemExit):
+        main(["--methods", "plain,k7"])
