@@ -250,3 +250,35 @@ def test_a_drafter_drafting_for_an_open_engine_is_refused_elsewhere(target):
         with pytest.raises(RuntimeError, match="already drafting for an open Engine"):
             generate(other, [[1, 2]], drafter=drafter, max_new_tokens=2)
     assert generate(other, [[1, 2]], drafter=drafter, max_new_tokens=2).sequences == [hf_greedy(other, [1, 2], 2)]
+
+
+def test_learning_policies_start_a_refilled_rows_request_afresh_and_stay_exact(target):
+    """GoodputPolicy: the new request's acceptance estimate is the prior again; BanditPolicy
+    (request scope): its bandit has no pulls of the last request's."""
+    from specdec.policies import BanditPolicy, GoodputPolicy
+    from specdec.policies.cost_model import CostModel
+
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.02, drafters=[{"tokens": 0.05}, {"tokens": 0.01}])
+    prompts = random_prompts(4, VOCAB, seed=81, min_len=3)
+    drafters = [ModelDrafter(perturbed_copy(target, 0.1)), ModelDrafter(perturbed_copy(target, 0.4, seed=2))]
+    for policy in (GoodputPolicy(model, max_draft_tokens=3, calibrate=False), BanditPolicy(num_draft_tokens=3)):
+        with Engine(target, drafters, policy=policy, max_rows=1, max_len=64, eos_token_id=[]) as engine:
+            engine.add_request(prompts[0], max_new_tokens=40)
+            while engine.has_work():
+                engine.step()
+            if isinstance(policy, GoodputPolicy):
+                assert policy.estimator.rate(0)[0] != pytest.approx(0.5)  # the first request taught it
+            else:
+                assert policy.bandits.counts[0].sum() > policy.warm_start * 2
+            outputs = []
+            for prompt in prompts[1:]:
+                engine.add_request(prompt, max_new_tokens=10)
+                engine.admit()  # admitted, not yet stepped
+                if isinstance(policy, GoodputPolicy):
+                    assert policy.estimator.rate(0)[0] == pytest.approx(policy.cold_start_rate)
+                else:  # the population's warm start, a few pseudo-pulls, not the last request's pulls
+                    warm = np.minimum(policy.population.counts[0], policy.warm_start)
+                    assert np.array_equal(policy.bandits.counts[0], warm) and policy._previous[0] == -1
+                while engine.has_work():
+                    outputs += [done.token_ids for done in engine.step()]
+        assert outputs == [hf_greedy(target, p, 10) for p in prompts[1:]]

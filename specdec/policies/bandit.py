@@ -598,18 +598,31 @@ class BanditPolicy(Policy):
                               for d in range(self.bandits.num_arms)])  # [D]
         return verify_s, drafter_s
 
-    def _seed_from_population(self, num_drafters: int) -> None:
+    def _seed_from_population(self, num_drafters: int, rows=slice(None)) -> None:
+        """The bandits of ``rows`` (all by default) start from the population's warm start."""
         if self.population is None or self.population.num_arms != num_drafters:
             self.population = BanditState(1, num_drafters, **self._options)
+        self.bandits.counts[rows], self.bandits.sums[rows], self.bandits.squares[rows] = 0, 0.0, 0.0
+        self.bandits._exploring[rows] = True
         if self.warm_start == 0:
             return
         counts = self.population.counts[0]  # [D]
         pseudo = np.minimum(counts, self.warm_start)  # [D]
-        self.bandits.counts[:] = pseudo
+        self.bandits.counts[rows] = pseudo
         mean = self.population.sums[0] / np.maximum(counts, 1)  # [D]
         mean_square = self.population.squares[0] / np.maximum(counts, 1)  # [D] the population's spread comes along
-        self.bandits.sums[:] = pseudo * mean
-        self.bandits.squares[:] = pseudo * np.maximum(mean_square, mean ** 2)
+        self.bandits.sums[rows] = pseudo * mean
+        self.bandits.squares[rows] = pseudo * np.maximum(mean_square, mean ** 2)
+
+    def start_rows(self, batch, rows) -> None:
+        """Request and joint scope: new requests in rows of the batch being served (an Engine
+        refilling them) get fresh bandits, warm-started from the population, and no held arm.
+        A new batch is handled by plan(); batch scope keeps one bandit for the batch."""
+        if self.scope == "batch" or batch is not self._batch or self.bandits is None:
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        self._seed_from_population(self.bandits.num_arms, rows)
+        self._previous[rows], self._switching[rows], self._hold_left[rows] = -1, False, 0
 
     def observe(self, record: StepRecord) -> None:
         rows = np.asarray(record.rows, dtype=np.int64)

@@ -825,6 +825,22 @@ class GoodputPolicy(Policy):
         self._steps += 1
         return self._plan  # the same object until the next decision (generate() caps a copy per step)
 
+    def start_rows(self, batch, rows) -> None:
+        """New requests in rows of the batch being served (an Engine refilling them): their
+        estimates go back to the prior, their counts to zero, their first drafting step is a
+        catch-up (the drafter reads the whole prompt), and the next plan decides for them. A new
+        batch is handled by plan() (everything starts again)."""
+        if batch is not self._batch:
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        for d in range(self.estimator.num_drafters):
+            self.estimator.relax(rows, d, 1.0)
+        for counts in (self._row_successes, self._row_trials, self._call_successes, self._call_trials,
+                       self._row_trial_steps):
+            counts[rows] = 0
+        self._last_drafted[rows] = -(1 << 40)
+        self._next_decision = min(self._next_decision, self._steps)
+
     def end_call(self) -> None:
         """Fold the current call's last steps in now (the calibration, LearnedPrior) rather than
         at the next call's first plan, so that ``cold_start_rate`` reads what the next call will
