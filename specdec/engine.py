@@ -33,7 +33,7 @@ from .distributed import tensor_parallel_group
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
-from .runner import ModelRunner, PackedLayout, models_in_use, resolve_backend, runner_for, runners_of
+from .runner import PackedLayout, models_in_use, resolve_backend, runner_for, runners_of
 from .sampling import TREE_PROBLEMS
 from .stats import RequestStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
@@ -253,7 +253,9 @@ class Engine:
 
     def admit(self) -> np.ndarray:
         """Admit waiting requests into free rows, first come first served, and prefill their
-        prompts -> the rows admitted. ``step()`` does this first."""
+        prompts -> the rows admitted. ``step()`` does this first. On a GPU it waits for the
+        prefill (once per admitting step), so that the prefill's device work is not charged to the
+        decoding step after it (StepRecord.step_time_s, which policies learn from)."""
         rows = self._admit()
         if rows.size:
             try:
@@ -266,6 +268,8 @@ class Engine:
                         self._rows[row], request.row = None, -1
                         self._waiting.insert(0, request)
                 raise
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         return rows
 
     def _admit(self) -> np.ndarray:

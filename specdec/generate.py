@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from . import inputs
 from .drafters.base import Drafter
 from .engine import Engine
@@ -95,7 +93,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
               cuda_graphs, compile, attention_mask, min_new_tokens, stop_sequences, stream,
               return_logprobs) -> GenerateOutput:
     started = time.perf_counter()
-    vocab_size, device = inputs.check_target(target)
+    vocab_size, _ = inputs.check_target(target)
     token_prompts = inputs.normalise_prompts(prompts, vocab_size, attention_mask)
     max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
     if stream is not None and not callable(stream):
@@ -110,9 +108,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
         engine.restart_clock(started)  # request times count from the start of this call
         for prompt, row_seed in zip(token_prompts, seeds.tolist()):
             engine.enqueue(prompt, max_new_tokens, row_seed)  # request i takes row i
-        engine.admit()
-        if device.type == "cuda":  # the prefill's kernels end inside prefill_time_s, not in step 0's synchronisation
-            torch.cuda.synchronize(device)
+        engine.admit()  # on a GPU it waits for the prefill: prefill_time_s holds its device work
         prefill_time = time.perf_counter() - started
         finished = {}
         while engine.has_work():
