@@ -15,6 +15,8 @@ import numpy as np
 
 from .types import PAD_ID, HostVerdict
 
+NO_EOS = -2  # pads a row's EOS ids (never a token, nor PAD_ID)
+
 
 class BatchState:
     def __init__(self, prompts: list[np.ndarray], max_new_tokens, seeds: np.ndarray, eos_token_ids: np.ndarray,
@@ -33,7 +35,8 @@ class BatchState:
             self.token_ids[row, : len(prompt)] = prompt
         self.lengths = self.prompt_lengths.copy()  # [B] committed tokens, prompt included
         self.seeds = seeds.astype(np.int64)  # [B]
-        self.eos_token_ids = eos_token_ids.astype(np.int64)  # [E], may be empty
+        self.eos_token_ids = eos_token_ids.astype(np.int64)  # [E], may be empty: every row's unless admit() says
+        self.row_eos = np.tile(self.eos_token_ids, (self.num_rows, 1))  # [B, E'] each row's EOS ids, NO_EOS-padded
         self.stop_sequences = [np.asarray(s, dtype=np.int64) for s in stop_sequences]  # a row stops after one
         self.min_new_tokens = min_new_tokens  # EOS is impossible before a row has generated this many
         self.finished = self.max_new_tokens == 0  # [B]
@@ -47,9 +50,10 @@ class BatchState:
         return cls([np.zeros(0, dtype=np.int64)] * num_rows, 0, np.zeros(num_rows, dtype=np.int64), eos_token_ids,
                    stop_sequences, min_new_tokens, max_total_len=max_total_len)
 
-    def admit(self, row: int, prompt: np.ndarray, max_new_tokens: int, seed: int) -> None:
-        """Give free row ``row`` a new request: its prompt, budget and seed (nothing of the row's
-        previous request remains)."""
+    def admit(self, row: int, prompt: np.ndarray, max_new_tokens: int, seed: int,
+              eos_token_ids: np.ndarray | None = None) -> None:
+        """Give free row ``row`` a new request: its prompt, budget, seed and EOS ids (None: the
+        batch's); nothing of the row's previous request remains."""
         if not self.finished[row]:
             raise ValueError(f"row {row} still holds an unfinished request")
         if len(prompt) + max_new_tokens > self.max_total_len:
@@ -60,6 +64,13 @@ class BatchState:
         self.prompt_lengths[row] = self.lengths[row] = len(prompt)
         self.max_new_tokens[row] = max_new_tokens
         self.seeds[row] = seed
+        eos = self.eos_token_ids if eos_token_ids is None else np.asarray(eos_token_ids, dtype=np.int64)
+        if len(eos) > self.row_eos.shape[1]:
+            wider = np.full((self.num_rows, len(eos)), NO_EOS, dtype=np.int64)
+            wider[:, : self.row_eos.shape[1]] = self.row_eos
+            self.row_eos = wider
+        self.row_eos[row] = NO_EOS
+        self.row_eos[row, : len(eos)] = eos
         self.finished[row] = max_new_tokens == 0
         self.stopped[row] = False
         if self.logprobs is not None:
@@ -77,6 +88,10 @@ class BatchState:
     def remaining(self) -> np.ndarray:
         """[B] tokens each row may still emit (0 once finished)."""
         return np.where(self.finished, 0, self.max_new_tokens - self.num_generated)
+
+    def has_eos(self) -> bool:
+        """Whether some row stops at an EOS token."""
+        return bool((self.row_eos != NO_EOS).any())
 
     def active_rows(self) -> np.ndarray:
         return np.flatnonzero(~self.finished)
@@ -97,7 +112,7 @@ class BatchState:
         """
         emitted = verdict.token_ids  # [B, K+1]
         slots = np.arange(emitted.shape[1])
-        is_eos = np.isin(emitted, self.eos_token_ids) & (slots < verdict.num_emitted[:, None])  # [B, K+1]
+        is_eos = (emitted[:, :, None] == self.row_eos[:, None, :]).any(axis=2) & (slots < verdict.num_emitted[:, None])  # [B, K+1]
         through_eos = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, verdict.num_emitted)
         appended = np.minimum(np.minimum(verdict.num_emitted, through_eos), self.remaining)  # [B]
         rows, cols = np.nonzero(slots < appended[:, None])

@@ -68,6 +68,7 @@ class _Request:
     max_new_tokens: int
     seed: int
     arrival_s: float
+    eos_token_ids: np.ndarray | None = None  # [E] its own EOS ids; None: the engine's
     row: int = -1  # its cache row once admitted
     first_token_s: float | None = None
 
@@ -181,9 +182,11 @@ class Engine:
         return time.perf_counter() - self._clock
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, prompt, max_new_tokens: int = 128, seed: int = 0) -> int:
+    def add_request(self, prompt, max_new_tokens: int = 128, seed: int = 0,
+                    eos_token_id: int | list[int] | None = None) -> int:
         """Queue a request (token ids: a list or a 1-D tensor) -> its id. It is admitted by a
-        later ``step()`` once a row is free, first come first served."""
+        later ``step()`` once a row is free, first come first served. eos_token_id: this
+        request's EOS id(s) ([] never stops early); None takes the engine's."""
         (tokens,) = inputs.normalise_prompts([prompt], self.vocab_size)
         max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
         if max_new_tokens > self.max_new_tokens:
@@ -196,11 +199,12 @@ class Engine:
                              f"{self.max_len}: shorten the prompt, lower max_new_tokens or build the engine with a "
                              "larger max_len")
         inputs.check_lengths_fit(self.target, [tokens], max_new_tokens)
-        return self.enqueue(tokens, max_new_tokens, int(seed))
+        eos = None if eos_token_id is None else inputs.normalise_eos(eos_token_id, self.vocab_size)
+        return self.enqueue(tokens, max_new_tokens, int(seed), eos)
 
-    def enqueue(self, prompt: np.ndarray, max_new_tokens: int, seed: int) -> int:
+    def enqueue(self, prompt: np.ndarray, max_new_tokens: int, seed: int, eos_token_ids: np.ndarray | None = None) -> int:
         """``add_request`` without its checks, for a caller that made them (generate())."""
-        request = _Request(self._next_id, prompt, max_new_tokens, seed, self.now())
+        request = _Request(self._next_id, prompt, max_new_tokens, seed, self.now(), eos_token_ids)
         self._next_id += 1
         self._waiting.append(request)
         return request.id
@@ -279,7 +283,7 @@ class Engine:
             request, row = self._waiting.pop(0), free.pop(0)
             request.row = row
             self._rows[row] = request
-            self.batch.admit(row, request.prompt, request.max_new_tokens, request.seed)
+            self.batch.admit(row, request.prompt, request.max_new_tokens, request.seed, request.eos_token_ids)
             admitted.append(row)
         rows = np.array(admitted, dtype=np.int64)
         if rows.size:

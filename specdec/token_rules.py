@@ -33,7 +33,7 @@ def penalises_repeats(params: SamplingParams) -> bool:
 
 
 def rules_active(batch: BatchState, params: SamplingParams) -> bool:
-    return penalises_repeats(params) or (batch.min_new_tokens > 0 and len(batch.eos_token_ids) > 0)
+    return penalises_repeats(params) or (batch.min_new_tokens > 0 and batch.has_eos())
 
 
 def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray, extra: torch.Tensor | None,
@@ -58,11 +58,10 @@ def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray,
             scores = adjusted[:, slot]  # [R, V]
             penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
             adjusted[:, slot] = torch.where(seen[:, :vocab_size], penalised, scores)
-    if batch.min_new_tokens > 0 and len(batch.eos_token_ids):
+    if batch.min_new_tokens > 0 and batch.has_eos():
         new_before = batch.num_generated[rows][:, None] + seen_extra + np.arange(num_slots)  # [R, S]
         blocked = to_device(new_before < batch.min_new_tokens, device)  # [R, S]
-        eos = to_device(batch.eos_token_ids, device)  # [E]
-        adjusted[..., eos] = adjusted[..., eos].masked_fill(blocked[..., None], float("-inf"))
+        adjusted.masked_fill_(blocked[..., None] & eos_mask(batch, rows, vocab_size, device)[:, None, :], float("-inf"))
     return adjusted
 
 
@@ -84,12 +83,19 @@ def apply_tree_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.nda
         seen.scatter_(2, _with_spare_column(index, vocab_size), True)
         penalised = torch.where(adjusted < 0, adjusted * penalty, adjusted / penalty)
         adjusted = torch.where(seen[..., :vocab_size], penalised, adjusted)
-    if batch.min_new_tokens > 0 and len(batch.eos_token_ids):
+    if batch.min_new_tokens > 0 and batch.has_eos():
         generated = to_device(batch.num_generated[rows], device)  # [R]
         blocked = generated[:, None] + before_slot.sum(dim=2) < batch.min_new_tokens  # [R, S]
-        eos = to_device(batch.eos_token_ids, device)  # [E]
-        adjusted[..., eos] = adjusted[..., eos].masked_fill(blocked[..., None], float("-inf"))
+        adjusted.masked_fill_(blocked[..., None] & eos_mask(batch, rows, vocab_size, device)[:, None, :], float("-inf"))
     return adjusted
+
+
+def eos_mask(batch: BatchState, rows: np.ndarray, vocab_size: int, device) -> torch.Tensor:
+    """[R, V] bool: each row's EOS tokens."""
+    ids = batch.row_eos[rows]  # [R, E]
+    index = to_device(np.where(ids < 0, vocab_size, ids), device)  # padding -> a spare column, dropped
+    mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
+    return mask.scatter_(1, index, True)[:, :vocab_size]
 
 
 def _with_spare_column(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

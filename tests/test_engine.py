@@ -282,3 +282,29 @@ def test_learning_policies_start_a_refilled_rows_request_afresh_and_stay_exact(t
                 while engine.has_work():
                     outputs += [done.token_ids for done in engine.step()]
         assert outputs == [hf_greedy(target, p, 10) for p in prompts[1:]]
+
+
+def test_each_request_stops_at_its_own_eos_and_min_new_tokens_blocks_only_its_own(target):
+    """Three requests on one prompt-set, each with other EOS ids, beside each other: each output
+    is Hugging Face's greedy decoding with that request's EOS (and the engine's min_new_tokens)."""
+    prompts = random_prompts(3, VOCAB, seed=91, min_len=3)
+    plain = [hf_greedy(target, p, 12) for p in prompts]
+    eos_of = [[plain[0][1]], [], [plain[2][4], plain[2][6]]]  # an early EOS, none, two ids
+    min_new = 3
+
+    def expected(prompt, eos):
+        input_ids = torch.tensor([prompt])
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=12,
+                              min_new_tokens=min_new if eos else 0, eos_token_id=eos or None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    with Engine(target, drafter_of("model", target), policy=FixedPolicy(3), max_rows=3, max_len=40,
+                eos_token_id=[], min_new_tokens=min_new) as engine:
+        ids = [engine.add_request(p, max_new_tokens=12, eos_token_id=e) for p, e in zip(prompts, eos_of)]
+        finished = {}
+        while engine.has_work():
+            finished.update((done.id, done) for done in engine.step())
+    got = [finished[i].token_ids for i in ids]
+    assert got == [expected(p, e) for p, e in zip(prompts, eos_of)]
+    assert len(got[1]) == 12 and got[2][-1] in eos_of[2] and len(got[2]) < 12
+    assert len(got[0]) >= min_new  # its EOS came at token 2: blocked until min_new_tokens
