@@ -98,6 +98,7 @@ class Engine:
             raise ValueError(f"max_len must be an int >= 1 (positions per row: prompt plus new tokens), got {max_len!r}")
         if eos_token_id is None:
             eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+        min_new_tokens = inputs.check_min_new_tokens(min_new_tokens)
         self.sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
@@ -123,7 +124,7 @@ class Engine:
         self.target, self.max_len, self.return_logprobs = target, max_len, return_logprobs
         self.batch = BatchState.empty(max_rows, max_len, inputs.normalise_eos(eos_token_id, self.vocab_size),
                                       inputs.normalise_stop_sequences(stop_sequences, self.vocab_size),
-                                      inputs.check_min_new_tokens(min_new_tokens))
+                                      min_new_tokens)
         self._trees = np.array([d.makes_trees for d in self.drafters], dtype=bool)  # [D]
         # a row drafts at most one token fewer than it may still emit, so caches and graphs are
         # sized by what requests can use, not by the policy's largest length (a tree's nodes are
@@ -137,6 +138,7 @@ class Engine:
         self._timer = PhaseTimer(self.device)
         self._waiting: list[_Request] = []
         self._rows: list[_Request | None] = [None] * max_rows  # the request each row holds
+        self._first_token_s = np.full(max_rows, np.nan)  # [B] when each row's request got its first token
         self._finished: list[FinishedRequest] = []  # cancelled before they ran, reported by the next step
         self._next_id = 0
         self.steps = 0
@@ -284,6 +286,7 @@ class Engine:
             request.row = row
             self._rows[row] = request
             self.batch.admit(row, request.prompt, request.max_new_tokens, request.seed, request.eos_token_ids)
+            self._first_token_s[row] = np.nan
             admitted.append(row)
         rows = np.array(admitted, dtype=np.int64)
         if rows.size:
@@ -324,13 +327,11 @@ class Engine:
         for d in self.drafters:
             d.commit(lengths_before, host.num_accepted)
         now = self.now()
+        self._first_token_s[(appended > 0) & np.isnan(self._first_token_s)] = now
         streamed = []  # (request id, its new tokens), handed to ``stream`` once the step is complete
-        for row in np.flatnonzero(appended):
-            request = self._rows[row]
-            if request.first_token_s is None:
-                request.first_token_s = now
-            if stream is not None:
-                streamed.append((request.id, batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist()))
+        if stream is not None:
+            streamed = [(self._rows[row].id, batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist())
+                        for row in np.flatnonzero(appended)]
         times = timer.collect()
         record = StepRecord(
             step=self.steps,
@@ -358,6 +359,8 @@ class Engine:
 
     def _release(self, request: _Request, reason: str) -> FinishedRequest:
         row = request.row
+        if not np.isnan(self._first_token_s[row]):
+            request.first_token_s = float(self._first_token_s[row])
         start, end = self.batch.prompt_lengths[row], self.batch.lengths[row]
         logprobs = None
         if self.return_logprobs:

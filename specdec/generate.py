@@ -99,13 +99,13 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function of (request index, token ids), got {type(stream).__name__}")
     inputs.check_lengths_fit(target, token_prompts, max_new_tokens)
-    seeds = inputs.normalise_seeds(seed, len(token_prompts))
     with Engine(target, drafter, verifier, policy, max_rows=len(token_prompts),
                 max_len=max(map(len, token_prompts)) + max_new_tokens, sampling=sampling,
                 eos_token_id=eos_token_id, attention=attention, cuda_graphs=cuda_graphs, compile=compile,
                 min_new_tokens=min_new_tokens, stop_sequences=stop_sequences, return_logprobs=return_logprobs,
                 max_new_tokens=max_new_tokens) as engine:
         engine.restart_clock(started)  # request times count from the start of this call
+        seeds = inputs.normalise_seeds(seed, len(token_prompts))
         for prompt, row_seed in zip(token_prompts, seeds.tolist()):
             engine.enqueue(prompt, max_new_tokens, row_seed)  # request i takes row i
         engine.admit()  # on a GPU it waits for the prefill: prefill_time_s holds its device work
