@@ -2,7 +2,7 @@ import os
 
 # One thread for torch and the BLAS libraries unless the caller chose: the tests' models are tiny,
 # and on a two-core machine thread pools cost more than they save (the CPU suite ran 189 s with
-# one thread against 233 s with two)
+# one thread against 233 s with two); the README's command runs one test process per core (-n 2)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
