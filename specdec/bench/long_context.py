@@ -34,6 +34,7 @@ from ..drafters import ModelDrafter, SelfSpeculativeDrafter, SPIReDrafter
 from ..long_context import long_context_prompts
 from ..policies import FixedPolicy
 from ..zoo import build, load
+from .report import provenance
 from .roofline import Hardware, PassCost, modelled_speedup
 
 
@@ -301,8 +302,7 @@ def run(settings: LongContextSettings, log=print, checkpoint=None) -> dict:
 
 def markdown(result: dict) -> str:
     settings = result["settings"]
-    lines = [f"Command: `{result['command']}`; {result['environment'].get('gpu', '')}; commit "
-             f"{result['environment'].get('commit', '?')}. Zoo `{settings['preset']}` in bf16, greedy, "
+    lines = [f"{provenance(result['environment'])} Zoo `{settings['preset']}` in bf16, greedy, "
              f"{settings['max_new_tokens']} new tokens, contexts ragged +-{settings['spread']:.0%}; small drafter "
              f"{result.get('small_drafter')}. Decode tok/s (prefill excluded); each method at its best k."
              + (f" {result['note']}" if result.get("note") else ""), "",

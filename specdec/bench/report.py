@@ -7,6 +7,12 @@ import json
 from pathlib import Path
 
 
+def provenance(env: dict) -> str:
+    """Where a result came from: its command line, commit, time and device (harness.environment)."""
+    device = env.get("gpu") or env.get("cpu") or "CPU"
+    return f"Command: `{env.get('command', '?')}` at commit `{str(env.get('commit', '?'))[:12]}`, {env.get('time', '?')}, on {device}."
+
+
 def markdown(result: dict) -> str:
     parts = [_zoo_table(result)] if result.get("rows") or "trees" not in result else []
     return "\n".join(parts + [_trees_table(result), _bandwidth_table(result), _targets_table(result)])

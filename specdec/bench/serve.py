@@ -36,6 +36,7 @@ from ..policies.cost_model import ProfileGrid, profile
 from ..replay import replay
 from ..zoo import build, load
 from ..zoo.prompts import heldout_prompts
+from .report import provenance
 
 FIXED = {"plain": 0, "k1": 1, "k3": 3, "k5": 5}
 
@@ -176,8 +177,7 @@ def targets(result: dict) -> list[dict]:
 
 def markdown(result: dict) -> str:
     s = result["settings"]
-    lines = [f"Command: `{result['command']}`; {result['environment'].get('gpu', result['environment'].get('cpu', ''))};"
-             f" commit {result['environment'].get('commit', '?')}. Zoo `{s['preset']}`, greedy, {s['num_requests']}"
+    lines = [f"{provenance(result['environment'])} Zoo `{s['preset']}`, greedy, {s['num_requests']}"
              f" requests of up to {s['prompt_tokens']} prompt tokens and {s['max_new_tokens']} new tokens, "
              f"{s['max_rows']} rows; drafter {result.get('drafter')}; capacity (plain decoding, saturated) "
              f"{result.get('capacity_requests_per_s', float('nan')):.2f} requests/s.", "",
