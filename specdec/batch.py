@@ -90,8 +90,8 @@ class BatchState:
         return np.where(self.finished, 0, self.max_new_tokens - self.num_generated)
 
     def has_eos(self) -> bool:
-        """Whether some row stops at an EOS token."""
-        return bool((self.row_eos != NO_EOS).any())
+        """Whether some unfinished row stops at an EOS token."""
+        return bool((self.row_eos[~self.finished] != NO_EOS).any())
 
     def active_rows(self) -> np.ndarray:
         return np.flatnonzero(~self.finished)

@@ -60,8 +60,10 @@ def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray,
             adjusted[:, slot] = torch.where(seen[:, :vocab_size], penalised, scores)
     if batch.min_new_tokens > 0 and batch.has_eos():
         new_before = batch.num_generated[rows][:, None] + seen_extra + np.arange(num_slots)  # [R, S]
-        blocked = to_device(new_before < batch.min_new_tokens, device)  # [R, S]
-        adjusted.masked_fill_(blocked[..., None] & eos_mask(batch, rows, vocab_size, device)[:, None, :], float("-inf"))
+        blocked = new_before < batch.min_new_tokens  # [R, S]
+        if blocked.any():  # host data: rows past min_new_tokens cost nothing
+            adjusted.masked_fill_(to_device(blocked, device)[..., None] & eos_mask(batch, rows, vocab_size, device)[:, None, :],
+                                  float("-inf"))
     return adjusted
 
 

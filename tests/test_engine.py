@@ -274,8 +274,9 @@ def test_learning_policies_start_a_refilled_rows_request_afresh_and_stay_exact(t
             for prompt in prompts[1:]:
                 engine.add_request(prompt, max_new_tokens=10)
                 engine.admit()  # admitted, not yet stepped
-                if isinstance(policy, GoodputPolicy):
+                if isinstance(policy, GoodputPolicy):  # and nothing of the last request is left to learn
                     assert policy.estimator.rate(0)[0] == pytest.approx(policy.cold_start_rate)
+                    assert not policy._records
                 else:  # the population's warm start, a few pseudo-pulls, not the last request's pulls
                     warm = np.minimum(policy.population.counts[0], policy.warm_start)
                     assert np.array_equal(policy.bandits.counts[0], warm) and policy._previous[0] == -1

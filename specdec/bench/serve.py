@@ -6,9 +6,11 @@ On a zoo preset, side by side in one process:
 1. Saturation: every request arrives at once, for each method on the Engine (``max_rows`` rows
    refilled as requests finish) and, for plain decoding and each speculative method, on static
    generate() batches of ``max_rows`` requests (the issue's throughput comparison).
-2. Capacity: plain decoding's saturated request rate; the load grid is ``loads`` x capacity, from
-   light load to past saturation.
-3. For each rate, one Poisson trace (seeded, the same for every method) replayed in real time
+2. Capacity: plain decoding's saturated request rate (plain decoding always runs, first: it is
+   also every output's reference); the load grid is ``loads`` x capacity, from light load to
+   past saturation.
+3. For each rate, one Poisson trace (the same seeded draws, scaled to the rate; the same for
+   every method) replayed in real time
    (specdec/replay.py) against plain decoding, fixed k = 1, 3, 5 with the chosen drafter (the zoo
    drafter with the highest saturated throughput at k = 3) and GoodputPolicy (a cost model profiled
    first): mean, p50, p90, p99 latency, time to first token, time per output token. Greedy;
@@ -103,6 +105,8 @@ def run(settings: ServeSettings, log=print) -> dict:
     result = dict(settings=asdict(settings), environment=environment(settings.device), saturation=[], rows=[],
                   command="python -m specdec serve-bench")
 
+    serve(zoo, min(zoo.drafters), FixedPolicy(3), prompts[: settings.max_rows], at_once[: settings.max_rows],
+          settings)  # warm-up: the first engine's eager kernels and allocations, untimed
     speeds = {}
     for name in zoo.drafters:  # the drafter of the fixed lengths: the fastest at k = 3, saturated
         summary, _ = serve(zoo, name, FixedPolicy(3), prompts, at_once, settings)
@@ -113,13 +117,15 @@ def run(settings: ServeSettings, log=print) -> dict:
     policies = {name: (None if k == 0 else drafter, lambda k=k: FixedPolicy(k)) for name, k in FIXED.items()}
     if "goodput" in settings.methods:
         grid = ProfileGrid.tiny() if not cuda else ProfileGrid(
-            batch_sizes=tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= settings.max_rows), tokens_per_row=(1, 2, 4, 6),
+            batch_sizes=tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= settings.max_rows} | {settings.max_rows})),
+            tokens_per_row=(1, 2, 4, 6),
             context_lengths=(settings.prompt_tokens, settings.prompt_tokens + settings.max_new_tokens // 2,
                              settings.prompt_tokens + settings.max_new_tokens), draft_lengths=(1, 2, 4, 5))
         cost_model = profile(zoo.target, [ModelDrafter(zoo.drafters[drafter], cuda_graphs=settings.graphs)],
-                             grid=grid, cuda_graphs=settings.graphs)
+                             grid=grid, cuda_graphs=settings.graphs, step_overhead=True)
         policies["goodput"] = (drafter, lambda: GoodputPolicy(cost_model, max_draft_tokens=5))
-    methods = [m for m in settings.methods if m in policies]
+    # plain decoding first, always: the reference of every output and the capacity the loads scale
+    methods = ["plain"] + [m for m in settings.methods if m in policies and m != "plain"]
 
     outputs = {}
     for method in methods:
@@ -129,10 +135,10 @@ def run(settings: ServeSettings, log=print) -> dict:
         static = static_throughput(zoo, name, k, prompts, settings) if k is not None else None
         result["saturation"].append(dict(method=method, engine_tokens_per_s=summary["tokens_per_s"],
                                          requests_per_s=summary["requests_per_s"], static_tokens_per_s=static,
-                                         identical=outputs[method] == outputs.get("plain")))
+                                         identical=outputs[method] == outputs["plain"]))
         log(f"saturated {method}: engine {summary['tokens_per_s']:.0f} tok/s"
             + (f", static generate() {static:.0f} tok/s" if static else ""))
-    capacity = next(r["requests_per_s"] for r in result["saturation"] if r["method"] == methods[0])
+    capacity = next(r["requests_per_s"] for r in result["saturation"] if r["method"] == "plain")
     result["capacity_requests_per_s"] = capacity
 
     for load_fraction in settings.loads:
@@ -141,7 +147,7 @@ def run(settings: ServeSettings, log=print) -> dict:
         for method in methods:
             name, make = policies[method]
             summary, got = serve(zoo, name, make(), prompts, arrivals, settings)
-            row = dict(load=load_fraction, rate=rate, method=method, identical=got == outputs[methods[0]], **summary)
+            row = dict(load=load_fraction, rate=rate, method=method, identical=got == outputs["plain"], **summary)
             result["rows"].append(row)
             log(f"load {load_fraction:.2f} ({rate:.1f} req/s) {method:<8} mean latency {summary['latency_s']['mean']:.3f} s,"
                 f" p99 {summary['latency_s']['p99']:.3f} s, identical {row['identical']}")

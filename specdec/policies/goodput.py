@@ -832,6 +832,7 @@ class GoodputPolicy(Policy):
         batch is handled by plan() (everything starts again)."""
         if batch is not self._batch:
             return
+        self._learn()  # the rows' last requests' final steps are learnt now, not into the new requests
         rows = np.asarray(rows, dtype=np.int64)
         for d in range(self.estimator.num_drafters):
             self.estimator.relax(rows, d, 1.0)
