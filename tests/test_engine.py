@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from specdec import Engine, SamplingParams, generate
-from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.drafters import ModelDrafter, PromptLookupDrafter, SelfSpeculativeDrafter, SpireDraft, SPIReDrafter
+from specdec.drafters.tree import TreeSpec
 from specdec.policies import FixedPolicy
+from specdec.verifiers import TreeVerifier
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
 
 VOCAB = 96
@@ -23,6 +25,9 @@ def target():
 
 def drafter_of(kind, target):
     return {"model": lambda: ModelDrafter(perturbed_copy(target, 0.1)), "lookup": PromptLookupDrafter,
+            "tree": lambda: ModelDrafter(perturbed_copy(target, 0.1), tree=TreeSpec(depth=3, branching=2)),
+            "self": lambda: SelfSpeculativeDrafter(sink=1, window=3),
+            "spire": lambda: SPIReDrafter(SpireDraft.from_target(target, window=3)),
             "none": lambda: None}[kind]()
 
 
@@ -39,22 +44,28 @@ def run_schedule(engine, requests, arrivals):
     return finished, ids
 
 
-@pytest.mark.parametrize("kind", ["model", "lookup", "none"])
-@pytest.mark.parametrize("schedule_seed", [0, 1])
+@pytest.mark.parametrize("kind,schedule_seed", [(kind, seed) for kind in ("model", "lookup", "none") for seed in (0, 1)]
+                         + [("tree", 2), ("self", 3), ("spire", 4)])
 def test_every_request_gets_the_targets_greedy_output_whatever_arrives_beside_it(target, kind, schedule_seed):
+    """Trees, the self-speculative drafter (which reads the target's cache) and SPIRe (fed the
+    target's states of every verification) included: refilled rows hold nothing of the last request."""
     rng = np.random.default_rng(schedule_seed)
     prompts = random_prompts(9, VOCAB, seed=10 + schedule_seed, max_len=14)
     budgets = rng.integers(1, 13, size=len(prompts)).tolist()
     arrivals = np.sort(rng.integers(0, 12, size=len(prompts))).tolist()
-    policy = FixedPolicy(0 if kind == "none" else 3)
-    with Engine(target, drafter_of(kind, target), policy=policy, max_rows=3, max_len=40, eos_token_id=[]) as engine:
+    policy = FixedPolicy(0 if kind == "none" else 4 if kind == "tree" else 3)
+    verifier = TreeVerifier() if kind == "tree" else None
+    with Engine(target, drafter_of(kind, target), verifier, policy=policy, max_rows=3, max_len=40,
+                eos_token_id=[]) as engine:
         finished, ids = run_schedule(engine, [(p, b, 0) for p, b in zip(prompts, budgets)], arrivals)
+    if kind != "none":  # the drafters draft something the target keeps, so the check below has teeth
+        assert sum(finished[i].stats.accepted for i in ids) > 0
     for prompt, budget, request_id in zip(prompts, budgets, ids):
         done = finished[request_id]
         assert done.token_ids == hf_greedy(target, prompt, budget)
-        if kind == "model":  # the drafter forgot the row's last request: it drafts as for this one alone
-            alone = generate(target, [prompt], drafter=drafter_of(kind, target), policy=policy, max_new_tokens=budget,
-                             eos_token_id=[])
+        if kind != "none":  # the drafter forgot the row's last request: it drafts as for this one alone
+            alone = generate(target, [prompt], drafter=drafter_of(kind, target), verifier=verifier, policy=policy,
+                             max_new_tokens=budget, eos_token_id=[])
             assert done.stats.accepted == alone.stats.requests[0].accepted
         assert done.reason == "length" and done.stats.emitted == budget
         assert done.arrival_s <= done.first_token_s <= done.finish_s
