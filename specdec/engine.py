@@ -20,6 +20,7 @@ that admits requests), the drafters' passes, and one device-to-host copy.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ class Engine:
         self._group = tensor_parallel_group(target)  # None unless the target is sharded over processes
         self.recorder = StatsRecorder(max_rows, max_draft)
         self._timer = PhaseTimer(self.device)
-        self._waiting: list[_Request] = []
+        self._waiting: collections.deque[_Request] = collections.deque()  # first come, first served
         self._rows: list[_Request | None] = [None] * max_rows  # the request each row holds
         self._first_token_s = np.full(max_rows, np.nan)  # [B] when each row's request got its first token
         self._finished: list[FinishedRequest] = []  # cancelled before they ran, reported by the next step
@@ -272,7 +273,7 @@ class Engine:
                     if request is not None:
                         self.batch.release(row)
                         self._rows[row], request.row = None, -1
-                        self._waiting.insert(0, request)
+                        self._waiting.appendleft(request)
                 raise
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -282,7 +283,7 @@ class Engine:
         free = [row for row, request in enumerate(self._rows) if request is None]
         admitted = []
         while free and self._waiting:
-            request, row = self._waiting.pop(0), free.pop(0)
+            request, row = self._waiting.popleft(), free.pop(0)
             request.row = row
             self._rows[row] = request
             self.batch.admit(row, request.prompt, request.max_new_tokens, request.seed, request.eos_token_ids)

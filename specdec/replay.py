@@ -45,16 +45,23 @@ def replay(engine: Engine, prompts: list, arrivals, max_new_tokens: int = 128, s
                          "target's ranks: replay on a target of one process")
     start = engine.now()
     ids, finished, next_request = [], {}, 0
-    while next_request < len(prompts) or engine.has_work():
-        elapsed = engine.now() - start
-        while next_request < len(prompts) and arrivals[next_request] <= elapsed:
-            ids.append(engine.add_request(prompts[next_request], max_new_tokens=max_new_tokens,
-                                          seed=seeds[next_request]))
-            next_request += 1
-        if not engine.has_work():  # idle until the next arrival
-            time.sleep(max(0.0, arrivals[next_request] - (engine.now() - start)))
-            continue
-        finished.update((done.id, done) for done in engine.step())
+    try:
+        while next_request < len(prompts) or engine.has_work():
+            elapsed = engine.now() - start
+            while next_request < len(prompts) and arrivals[next_request] <= elapsed:
+                ids.append(engine.add_request(prompts[next_request], max_new_tokens=max_new_tokens,
+                                              seed=seeds[next_request]))
+                next_request += 1
+            if not engine.has_work():  # idle until the next arrival
+                time.sleep(max(0.0, arrivals[next_request] - (engine.now() - start)))
+                continue
+            finished.update((done.id, done) for done in engine.step())
+    except BaseException:  # (a bad prompt, say) the engine is left idle, as it was given
+        for request_id in ids:
+            engine.cancel(request_id)
+        while engine.has_work():
+            engine.step()
+        raise
     out = []
     for request_id, arrival in zip(ids, arrivals):
         done = finished[request_id]

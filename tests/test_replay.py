@@ -40,3 +40,6 @@ def test_bad_traces_are_refused(target):
             replay(engine, [[1], [2]], [0.1], max_new_tokens=2)
         with pytest.raises(ValueError, match="at least one token"):
             replay(engine, [[1]], [0.0], max_new_tokens=0)
+        with pytest.raises(ValueError, match="positions"):  # the second prompt does not fit
+            replay(engine, [[1], list(range(20))], [0.0, 0.0], max_new_tokens=2)
+        assert not engine.has_work()  # the first request was withdrawn
