@@ -142,7 +142,6 @@ class Engine:
         self._first_token_s = np.full(max_rows, np.nan)  # [B] when each row's request got its first token
         self._finished: list[FinishedRequest] = []  # cancelled before they ran, reported by the next step
         self._next_id = 0
-        self.steps = 0
         self._clock = time.perf_counter()
         self._stack = contextlib.ExitStack()  # unwinds in reverse: drafters finish, the target detaches, locks go
         try:
@@ -161,7 +160,6 @@ class Engine:
             for d in self.drafters:
                 setattr(d, ENGINE_FLAG, True)
                 self._stack.callback(setattr, d, ENGINE_FLAG, False)
-            for d in self.drafters:
                 self._stack.callback(d.finish)  # first: a start that fails half-way is still undone
                 d.bind_target(self.runner)
                 d.start(self.batch, self.sampling, self.device, max_draft)
@@ -232,6 +230,11 @@ class Engine:
         return False
 
     @property
+    def steps(self) -> int:
+        """Decoding steps run so far."""
+        return self.recorder.num_steps
+
+    @property
     def tensor_parallel(self) -> bool:
         """Whether the target is sharded over processes (every rank must add the same requests)."""
         return self._group is not None
@@ -280,6 +283,8 @@ class Engine:
         return rows
 
     def _admit(self) -> np.ndarray:
+        if not self._waiting:  # most steps: nothing to admit, no scan of the rows
+            return np.zeros(0, dtype=np.int64)
         free = [row for row, request in enumerate(self._rows) if request is None]
         admitted = []
         while free and self._waiting:
@@ -352,7 +357,6 @@ class Engine:
         )
         self.recorder.record(record, now, batch.finished)
         self.policy.observe(record)
-        self.steps += 1
         for row in rows[batch.finished[rows]]:
             self._finished.append(self._release(self._rows[row], "eos" if batch.stopped[row] else "length"))
         for request_id, tokens in streamed:  # last: a callback may cancel requests or raise

@@ -113,8 +113,7 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
         finished = {}
         while engine.has_work():
             finished.update((done.id, done) for done in engine.step(stream))
-        stats = engine.recorder.finish(wall_time_s=time.perf_counter() - started, prefill_time_s=prefill_time,
-                                       steps=engine.steps)
+        stats = engine.recorder.finish(wall_time_s=time.perf_counter() - started, prefill_time_s=prefill_time)
     done = [finished[i] for i in range(len(token_prompts))]
     return GenerateOutput(sequences=[d.token_ids for d in done], stats=stats,
                           logprobs=[d.logprobs for d in done] if return_logprobs else None)

@@ -143,7 +143,7 @@ class GraphedForward:
         host[offsets[7] : offsets[7] + num_groups] = group_counts
         host[offsets[8] : offsets[8] + num_groups] = tree_starts
         if sparse is not None:  # dense groups keep sink end 0 and window start 0: every key
-            host[offsets[9] : offsets[9] + real_groups] = np.minimum(sparse.sink, sparse.window_starts)
+            host[offsets[9] : offsets[9] + real_groups] = sparse.sink_ends
             host[offsets[10] : offsets[10] + real_groups] = sparse.window_starts
         self._device.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         if input_ids is not None:

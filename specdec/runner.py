@@ -107,6 +107,11 @@ class SparseLayout:
     sink: int  # the first ``sink`` slots of every row stay visible
     window_starts: np.ndarray  # [G] int64, host: the first slot of each group's window
 
+    @property
+    def sink_ends(self) -> np.ndarray:
+        """[G] where each group's sink ends (at its window's start if that comes first)."""
+        return np.minimum(self.sink, self.window_starts)
+
     @classmethod
     def trailing(cls, layout: PackedLayout, sink: int, window: int) -> "SparseLayout":
         """The sink plus the last ``window`` slots before each group's first token (and the group's
@@ -245,7 +250,7 @@ def packed_metadata(layout: PackedLayout, cache: KVCache, device: torch.device, 
         token_tree_mask=None if tree is None else tree.masks,
         group_tree_start=None if tree is None else to_device_int(tree.tree_starts),
         tree_pass=tree is not None,
-        group_sink_end=None if sparse is None else to_device_int(np.minimum(sparse.sink, sparse.window_starts)),
+        group_sink_end=None if sparse is None else to_device_int(sparse.sink_ends),
         group_window_start=None if sparse is None else to_device_int(sparse.window_starts),
         kv_splits=kv_splits,
         role=role,

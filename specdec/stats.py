@@ -219,12 +219,11 @@ class StatsRecorder:
             wall_time_s=float(self.finish_time_s[row]),
         )
 
-    def finish(self, wall_time_s: float, prefill_time_s: float, steps: int | None = None) -> GenerationStats:
-        """Every row's request as one call's statistics (generate(): request i held row i).
-        ``steps``: the loop's step count, when it differs from the steps recorded here."""
+    def finish(self, wall_time_s: float, prefill_time_s: float) -> GenerationStats:
+        """Every row's request as one call's statistics (generate(): request i held row i)."""
         return GenerationStats(
             requests=[self.request_stats(r) for r in range(len(self.steps))],
-            steps=self.num_steps if steps is None else steps,
+            steps=self.num_steps,
             wall_time_s=wall_time_s,
             prefill_time_s=prefill_time_s,
             draft_time_s=self.draft_time_s,

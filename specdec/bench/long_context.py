@@ -122,7 +122,7 @@ def cache_shortfall(zoo, prompts, settings: LongContextSettings, share: float = 
     """Why a cell cannot run, when the KV caches it allocates (target, small drafter, SPIRe draft,
     all at the cell's longest row) would take more than ``share`` of the GPU's memory; else None."""
     positions = max(map(len, prompts)) + settings.max_new_tokens + max(settings.ks) + 1
-    models = [zoo.target, *zoo.drafters.values(), *(d.model for d in zoo.spire.values())][: 2 + len(zoo.drafters)]
+    models = [zoo.target, *zoo.drafters.values(), *([zoo.spire["spire"].model] if "spire" in zoo.spire else [])]
     needed = sum(PassCost.of_model(m).kv_bytes_per_position for m in models) * (len(prompts) + 1) * positions
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if needed <= share * total:

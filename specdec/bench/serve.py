@@ -62,9 +62,12 @@ class ServeSettings:
         return self.device.startswith("cuda")
 
 
+def drafter_for(zoo, name: str | None, settings: ServeSettings) -> ModelDrafter | None:
+    return None if name is None else ModelDrafter(zoo.drafters[name], cuda_graphs=settings.graphs)
+
+
 def engine_for(zoo, drafter_name: str | None, policy, settings: ServeSettings) -> Engine:
-    drafter = None if drafter_name is None else ModelDrafter(zoo.drafters[drafter_name], cuda_graphs=settings.graphs)
-    return Engine(zoo.target, drafter, policy=policy, max_rows=settings.max_rows,
+    return Engine(zoo.target, drafter_for(zoo, drafter_name, settings), policy=policy, max_rows=settings.max_rows,
                   max_len=settings.prompt_tokens + settings.max_new_tokens, eos_token_id=zoo.tokenizer.eos_token_id,
                   cuda_graphs=settings.graphs, max_new_tokens=settings.max_new_tokens)
 
@@ -78,7 +81,7 @@ def serve(zoo, drafter_name, policy, prompts, arrivals, settings: ServeSettings)
 
 def static_throughput(zoo, drafter_name, k, prompts, settings: ServeSettings) -> float:
     """Tokens per second of static generate() batches of ``max_rows`` requests, one after another."""
-    drafter = None if drafter_name is None else ModelDrafter(zoo.drafters[drafter_name], cuda_graphs=settings.graphs)
+    drafter = drafter_for(zoo, drafter_name, settings)
     chunks = [prompts[i : i + settings.max_rows] for i in range(0, len(prompts), settings.max_rows)]
     options = dict(drafter=drafter, policy=FixedPolicy(k), max_new_tokens=settings.max_new_tokens,
                    eos_token_id=zoo.tokenizer.eos_token_id, cuda_graphs=settings.graphs)
@@ -121,7 +124,7 @@ def run(settings: ServeSettings, log=print) -> dict:
             tokens_per_row=(1, 2, 4, 6),
             context_lengths=(settings.prompt_tokens, settings.prompt_tokens + settings.max_new_tokens // 2,
                              settings.prompt_tokens + settings.max_new_tokens), draft_lengths=(1, 2, 4, 5))
-        cost_model = profile(zoo.target, [ModelDrafter(zoo.drafters[drafter], cuda_graphs=settings.graphs)],
+        cost_model = profile(zoo.target, [drafter_for(zoo, drafter, settings)],
                              grid=grid, cuda_graphs=settings.graphs, step_overhead=True)
         policies["goodput"] = (drafter, lambda: GoodputPolicy(cost_model, max_draft_tokens=5))
     # plain decoding first, always: the reference of every output and the capacity the loads scale
