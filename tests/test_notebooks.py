@@ -56,3 +56,23 @@ def test_long_context_notebook_runs(tiny_zoo_root, tmp_path, monkeypatch):
     outputs = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
     assert "SPIReDrafter" in outputs and "tau" in outputs and "MagicDec's regime" in outputs
     assert any("image/png" in o.get("data", {}) for c in notebook.cells for o in c.get("outputs", []))
+
+
+def test_serving_notebook_runs(tiny_zoo_root, tmp_path, monkeypatch):
+    """On a tiny-zoo smoke run of the serve bench (the committed GPU results are drawn the same way)."""
+    from specdec.bench.serve import main
+
+    results = tmp_path / "results"
+    assert main(["--preset", "tiny", "--device", "cpu", "--num-requests", "4", "--prompt-tokens", "24",
+                 "--max-new-tokens", "5", "--max-rows", "2", "--loads", "0.5,2", "--methods", "k1,goodput",
+                 "--repeats", "2", "--zoo-dir", str(tiny_zoo_root / "tiny"), "--out", str(results)]) == 0
+    monkeypatch.setenv("SPECDEC_SERVE_RESULTS", str(results))
+    root = Path(__file__).resolve().parents[1]
+    notebook = nbformat.read(root / "notebooks" / "02_policies.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    text = "".join(o.get("text", "") for o in outputs)
+    markdown = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
+    assert "serve_" in text and "not identical to plain decoding: []" in text
+    assert "GoodputPolicy >= 1.5x faster than plain decoding" in markdown and "| 2.00 |" in markdown
+    assert any("image/png" in o.get("data", {}) for o in outputs)

@@ -9,12 +9,16 @@ On a zoo preset, side by side in one process:
 2. Capacity: plain decoding's saturated request rate (plain decoding always runs, first: it is
    also every output's reference); the load grid is ``loads`` x capacity, from light load to
    past saturation.
-3. For each rate, one Poisson trace (the same seeded draws, scaled to the rate; the same for
-   every method) replayed in real time
+3. For each rate, ``repeats`` Poisson traces (seeded draws scaled to the rate; the same traces
+   for every method, whose order rotates from one trace to the next) replayed in real time
    (specdec/replay.py) against plain decoding, fixed k = 1, 3, 5 with the chosen drafter (the zoo
    drafter with the highest saturated throughput at k = 3) and GoodputPolicy (a cost model profiled
-   first): mean, p50, p90, p99 latency, time to first token, time per output token. Greedy;
-   every output is compared with plain decoding's.
+   first): mean, p50, p90, p99 latency, time to first token, time per output token over the
+   requests of every trace, and each trace's mean latency. Greedy; every output is compared with
+   plain decoding's.
+
+The results are saved after the saturation runs and after each rate, so a run cut short keeps
+what it measured.
 
 Writes serve_*.json, .md and .png (mean latency against rate, one line per method).
 """
@@ -55,6 +59,7 @@ class ServeSettings:
     methods: tuple[str, ...] = ("plain", "k1", "k3", "k5", "goodput")
     zoo_dir: str | None = None
     seed: int = 0
+    repeats: int = 1  # Poisson traces per rate (seeds seed, seed + 1, ...)
     out: str = "benchmarks/results"
 
     @property
@@ -72,11 +77,22 @@ def engine_for(zoo, drafter_name: str | None, policy, settings: ServeSettings) -
                   cuda_graphs=settings.graphs, max_new_tokens=settings.max_new_tokens)
 
 
-def serve(zoo, drafter_name, policy, prompts, arrivals, settings: ServeSettings) -> tuple[dict, list[list[int]]]:
-    """One trace on a fresh engine -> (latency summary, outputs)."""
+def serve(zoo, drafter_name, policy, prompts, arrivals, settings: ServeSettings) -> tuple[list, list[list[int]]]:
+    """One trace on a fresh engine -> (each request's RequestTiming, outputs)."""
     with engine_for(zoo, drafter_name, policy, settings) as engine:
         served = replay(engine, prompts, arrivals, settings.max_new_tokens)
-    return summarize([s.timing for s in served]), [s.result.token_ids for s in served]
+    return [s.timing for s in served], [s.result.token_ids for s in served]
+
+
+def pooled(traces: list[list]) -> dict:
+    """Latency statistics over the requests of every trace; throughput and span as the mean over
+    traces (each trace has its own clock); ``trace_mean_latency_s``: each trace's mean latency."""
+    summaries = [summarize(timings) for timings in traces]
+    summary = summarize([t for timings in traces for t in timings])
+    for key in ("span_s", "tokens_per_s", "requests_per_s"):
+        summary[key] = float(np.mean([s[key] for s in summaries]))
+    summary["trace_mean_latency_s"] = [s["latency_s"]["mean"] for s in summaries]
+    return summary
 
 
 def static_throughput(zoo, drafter_name, k, prompts, settings: ServeSettings) -> float:
@@ -95,7 +111,9 @@ def static_throughput(zoo, drafter_name, k, prompts, settings: ServeSettings) ->
     return tokens / (time.perf_counter() - started)
 
 
-def run(settings: ServeSettings, log=print) -> dict:
+def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
+    """The whole bench -> its result; ``save(result)`` is called after the saturation runs and after
+    each rate, with what has been measured so far."""
     from .harness import environment
 
     cuda = settings.device.startswith("cuda")
@@ -112,8 +130,8 @@ def run(settings: ServeSettings, log=print) -> dict:
           settings)  # warm-up: the first engine's eager kernels and allocations, untimed
     speeds = {}
     for name in zoo.drafters:  # the drafter of the fixed lengths: the fastest at k = 3, saturated
-        summary, _ = serve(zoo, name, FixedPolicy(3), prompts, at_once, settings)
-        speeds[name] = summary["tokens_per_s"]
+        timings, _ = serve(zoo, name, FixedPolicy(3), prompts, at_once, settings)
+        speeds[name] = summarize(timings)["tokens_per_s"]
         log(f"drafter {name}: {speeds[name]:.0f} tok/s saturated at k=3")
     drafter = max(speeds, key=speeds.get)
     result["drafter"] = drafter
@@ -133,7 +151,8 @@ def run(settings: ServeSettings, log=print) -> dict:
     outputs = {}
     for method in methods:
         name, make = policies[method]
-        summary, outputs[method] = serve(zoo, name, make(), prompts, at_once, settings)
+        timings, outputs[method] = serve(zoo, name, make(), prompts, at_once, settings)
+        summary = summarize(timings)
         k = FIXED.get(method)
         static = static_throughput(zoo, name, k, prompts, settings) if k is not None else None
         result["saturation"].append(dict(method=method, engine_tokens_per_s=summary["tokens_per_s"],
@@ -143,18 +162,28 @@ def run(settings: ServeSettings, log=print) -> dict:
             + (f", static generate() {static:.0f} tok/s" if static else ""))
     capacity = next(r["requests_per_s"] for r in result["saturation"] if r["method"] == "plain")
     result["capacity_requests_per_s"] = capacity
+    save(result)
 
     for load_fraction in settings.loads:
         rate = load_fraction * capacity
-        arrivals = poisson_arrivals(rate, len(prompts), seed=settings.seed)
+        traces, identical = {m: [] for m in methods}, {m: True for m in methods}
+        for repeat in range(settings.repeats):
+            arrivals = poisson_arrivals(rate, len(prompts), seed=settings.seed + repeat)
+            turn = repeat % len(methods)  # rotate the order, so no method always runs first
+            for method in methods[turn:] + methods[:turn]:
+                name, make = policies[method]
+                timings, got = serve(zoo, name, make(), prompts, arrivals, settings)
+                traces[method].append(timings)
+                identical[method] &= got == outputs["plain"]
         for method in methods:
-            name, make = policies[method]
-            summary, got = serve(zoo, name, make(), prompts, arrivals, settings)
-            row = dict(load=load_fraction, rate=rate, method=method, identical=got == outputs["plain"], **summary)
-            result["rows"].append(row)
-            log(f"load {load_fraction:.2f} ({rate:.1f} req/s) {method:<8} mean latency {summary['latency_s']['mean']:.3f} s,"
-                f" p99 {summary['latency_s']['p99']:.3f} s, identical {row['identical']}")
-    result["targets"] = targets(result)
+            summary = pooled(traces[method])
+            result["rows"].append(dict(load=load_fraction, rate=rate, method=method, identical=identical[method],
+                                       **summary))
+            log(f"load {load_fraction:.2f} ({rate:.1f} req/s) {method:<8} mean latency {summary['latency_s']['mean']:.3f} s"
+                f" (traces {', '.join(f'{v:.3f}' for v in summary['trace_mean_latency_s'])}),"
+                f" p99 {summary['latency_s']['p99']:.3f} s, identical {identical[method]}")
+        result["targets"] = targets(result)
+        save(result)
     return result
 
 
@@ -240,9 +269,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--loads", default=",".join(map(str, defaults.loads)),
                         help="request rates as fractions of plain decoding's saturated rate")
     parser.add_argument("--methods", default=",".join(defaults.methods), help="of plain,k1,k3,k5,goodput")
+    parser.add_argument("--repeats", type=int, default=defaults.repeats, help="Poisson traces per rate")
     parser.add_argument("--zoo-dir")
     parser.add_argument("--out", default=defaults.out)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     methods = tuple(args.methods.split(","))
     unknown = [m for m in methods if m not in (*FIXED, "goodput")]
     if unknown:
@@ -250,13 +282,17 @@ def main(argv: list[str]) -> int:
     settings = ServeSettings(preset=args.preset, device=args.device, num_requests=args.num_requests,
                              prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                              max_rows=args.max_rows, loads=tuple(float(x) for x in args.loads.split(",")),
-                             methods=methods, zoo_dir=args.zoo_dir, out=args.out)
-    result = run(settings)
+                             methods=methods, zoo_dir=args.zoo_dir, repeats=args.repeats, out=args.out)
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"serve_{time.strftime('%Y%m%d_%H%M%S')}"
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=2))
-    Path(f"{stem}.md").write_text(markdown(result))
+
+    def save(result: dict) -> None:
+        Path(f"{stem}.json").write_text(json.dumps(result, indent=2))
+        Path(f"{stem}.md").write_text(markdown(result))
+
+    result = run(settings, save=save)
+    save(result)
     plot(result, Path(f"{stem}.png"))
     print(f"wrote {stem}.json, .md and .png")
     return 0

@@ -7,7 +7,6 @@ figure of the CPU run is asserted."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -235,20 +234,6 @@ def test_a_workload_a_part_skipped_merges_from_another_part(quick_run, tmp_path)
     assert merged["settings"]["workloads"] == whole["settings"]["workloads"]
     with pytest.raises(ValueError, match=f"both measured batch 1 of workload '{last}'"):
         merge([whole, second])
-
-
-def test_the_notebook_draws_a_results_file(quick_run, tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the [test] extras")
-    client = pytest.importorskip("nbclient", reason="the notebook tests need the [test] extras").NotebookClient
-    monkeypatch.setenv("SPECDEC_POLICIES_RESULTS", str(quick_run))
-    path = Path(__file__).resolve().parents[2] / "notebooks" / "02_policies.ipynb"
-    notebook = nbformat.read(path, as_version=4)
-    client(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
-    text = "".join(o.get("text", "") for o in outputs)
-    assert str(quick_run) in text and "0 failed or not identical" in text
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2
-    assert any("| target | workload |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
 
 
 # --- the targets, on synthetic rows --------------------------------------------------------------

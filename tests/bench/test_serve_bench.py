@@ -9,11 +9,16 @@ from specdec.bench.serve import ServeSettings, main, markdown, run, targets
 def test_a_smoke_run_on_the_tiny_zoo(tiny_zoo_root, tmp_path):
     settings = ServeSettings(preset="tiny", device="cpu", num_requests=6, prompt_tokens=24, max_new_tokens=6,
                              max_rows=2, loads=(0.5, 2.0), methods=("k1", "goodput"),  # plain always runs first
-                             zoo_dir=str(tiny_zoo_root / "tiny"), out=str(tmp_path))
-    result = run(settings, log=lambda *_: None)
+                             zoo_dir=str(tiny_zoo_root / "tiny"), repeats=2, out=str(tmp_path))
+    saved = []
+    result = run(settings, log=lambda *_: None, save=lambda r: saved.append(len(r["rows"])))
+    assert saved == [0, 3, 6]  # after the saturation runs, then after each rate
     assert [(r["load"], r["method"]) for r in result["rows"]] == [
         (0.5, "plain"), (0.5, "k1"), (0.5, "goodput"), (2.0, "plain"), (2.0, "k1"), (2.0, "goodput")]
-    assert all(r["identical"] and r["requests"] == 6 for r in result["rows"])
+    assert all(r["identical"] and r["requests"] == 12 for r in result["rows"])  # 6 requests in each of 2 traces
+    for r in result["rows"]:  # pooled over equal-sized traces: the mean is the mean of the traces' means
+        assert len(r["trace_mean_latency_s"]) == 2
+        assert r["latency_s"]["mean"] == pytest.approx(sum(r["trace_mean_latency_s"]) / 2)
     assert all(r["identical"] for r in result["saturation"])
     assert result["capacity_requests_per_s"] > 0
     half = [r for r in result["rows"] if r["load"] == 0.5]
@@ -41,3 +46,5 @@ def test_targets_compare_goodput_with_the_best_other_method_at_each_load():
 def test_unknown_methods_are_refused():
     with pytest.raises(SystemExit):
         main(["--methods", "plain,k7"])
+    with pytest.raises(SystemExit):
+        main(["--repeats", "0"])
