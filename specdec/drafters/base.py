@@ -26,6 +26,9 @@ class Drafter(ABC):
     tree = None
     #: whether it drafts from the target's runner (bind_target): its cache, weights or activations
     reads_target = False
+    #: whether rows with different sampling parameters may share its proposals (an Engine's
+    #: requests with their own SamplingParams): it reads each row's from ``batch.sampling_of``
+    mixes_sampling = True
 
     @property
     def makes_trees(self) -> bool:
@@ -50,7 +53,9 @@ class Drafter(ABC):
         they are: it may write only beyond ``runner.cache.lengths``, which verification overwrites."""
 
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
-        """Prepare for a generate() call (allocate caches). Called once before any propose."""
+        """Prepare for a generate() call (allocate caches). Called once before any propose.
+        sampling: the engine's default; each row's own is ``batch.sampling_of(rows, device)``
+        (a SamplingParams when the rows share one, else a types.RowSampling)."""
 
     def start_rows(self, batch: BatchState, rows: np.ndarray) -> None:
         """Rows ``rows`` ([R] host indices) now hold new requests (an Engine admitted them, or a

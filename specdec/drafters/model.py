@@ -7,7 +7,8 @@ catches every unfinished row up on the committed tokens it has not seen (one pac
 lengths; rows not drafting this step too, so no row falls out of the captured graphs' shapes),
 then runs k - 1 more single-token steps for the asked rows; after the verdict, ``commit`` keeps exactly
 the prefix that the target accepted. Sampling uses the same processed distribution rules as
-the target (sampling.py) with the drafter's own noise stream, and returns the distributions.
+the target (sampling.py), each row with its request's own parameters (BatchState.sampling_of),
+with the drafter's own noise stream, and returns the distributions.
 
 Cost: k forward passes of the small model per step, the first one carrying the catch-up tokens
 (up to MAX_CATCH_UP_PASSES more when the drafter sat out some steps and its graphs take fewer
@@ -30,7 +31,7 @@ from ..runner import (ModelRunner, PackedLayout, TreeLayout, check_supported, de
                       runners_of, vocab_size_of)
 from ..sampling import DETACHED, next_tokens, process_logits
 from ..token_rules import apply_token_rules, committed_tokens_seen, penalises_repeats, rules_active
-from ..types import PAD_ID, Draft, SamplingParams
+from ..types import PAD_ID, Draft, RowSampling, SamplingParams, take_rows
 from .base import Drafter, trees_and_chains
 from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs, static_shape
 
@@ -80,6 +81,11 @@ class ModelDrafter(Drafter):
         shape = "" if self.tree is None else f", tree depth {self.tree.depth} x {self.tree.branching}"
         return f"ModelDrafter({type(self.model).__name__}, {sum(p.numel() for p in self.model.parameters()):,} params{shape})"
 
+    @property
+    def mixes_sampling(self) -> bool:
+        """Sampled token trees draw every row's children with one SamplingParams (drafters/tree.py)."""
+        return self.tree is None or not self.tree.sampled
+
     def _current_device(self):
         """Make the drafter's GPU the current one while it works (kernel launches and graph
         capture follow the current device, which is the target's when it sits on another GPU)."""
@@ -91,7 +97,6 @@ class ModelDrafter(Drafter):
             self._start(batch, sampling, max_draft_tokens)
 
     def _start(self, batch: BatchState, sampling: SamplingParams, max_draft_tokens: int) -> None:
-        self.sampling = sampling
         group = self._graph_group()
         graph_shape = (group, group * batch.num_rows) if self.cuda_graphs else None
         self.runner_role = _free_drafter_role(self.model, self.role_prefix)
@@ -136,30 +141,31 @@ class ModelDrafter(Drafter):
         device = runner.device
         max_tokens = int(num_tokens.max(initial=0))
         token_ids = torch.full((batch.num_rows, max_tokens), PAD_ID, dtype=torch.int64, device=device)  # [B, K]
-        probs = None
-        if not self.sampling.greedy and max_tokens > 0:
-            probs = torch.zeros(batch.num_rows, max_tokens, runner.vocab_size, device=device)  # [B, K, V]
         rows = np.flatnonzero(num_tokens > 0)
+        sampling = batch.sampling_of(rows, device)  # the asked rows' (a RowSampling when they differ)
+        probs = None
+        if not sampling.greedy and max_tokens > 0:
+            probs = torch.zeros(batch.num_rows, max_tokens, runner.vocab_size, device=device)  # [B, K, V]
         if len(rows) == 0:
             return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
 
         logits = self._catch_up(batch, rows)  # [R, V] next-token logits of the asked rows
 
-        greedy = self.sampling.greedy
-        rules = rules_active(batch, self.sampling)
+        greedy = sampling.greedy
+        rules = rules_active(batch, sampling)
         # the committed tokens do not change within a proposal: one mask of them for every depth
         seen = (committed_tokens_seen(batch, rows, runner.vocab_size, device)
-                if rules and penalises_repeats(self.sampling) else None)
+                if rules and penalises_repeats(sampling) else None)
         rows_t = to_device(rows, device)  # [R]
         for depth in range(max_tokens):
             if rules:  # the target's rules at this position, so that fewer drafts are rejected for them
                 logits = apply_token_rules(logits[:, None], batch, rows, token_ids[rows_t, :depth], depth,
-                                           self.sampling, committed_seen=seen)[:, 0]
+                                           sampling, committed_seen=seen)[:, 0]
             if greedy:  # no randomness: neither seeds nor positions are needed
                 chosen, chosen_probs = logits.argmax(dim=-1), None
             else:
                 positions = to_device(batch.lengths[rows] + depth, device)  # [R]
-                chosen, chosen_probs = next_tokens(logits, self.sampling, self._seeds[rows_t], positions, noise.DRAFT)
+                chosen, chosen_probs = next_tokens(logits, sampling, self._seeds[rows_t], positions, noise.DRAFT)
             token_ids[rows_t, depth] = chosen
             if probs is not None:
                 probs[rows_t, depth] = chosen_probs
@@ -172,6 +178,7 @@ class ModelDrafter(Drafter):
                 kept = to_device(np.flatnonzero(keep), device)
                 chosen, rows_t = chosen[kept], rows_t[kept]
                 seen = None if seen is None else seen[kept]
+                sampling = take_rows(sampling, kept)
             logits = self._feed(batch, chosen, rows, depth)  # [R', V]
         return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
 
@@ -205,10 +212,20 @@ class ModelDrafter(Drafter):
             return draft
         logits = self._catch_up(batch, rows)  # [R, V]
         num_rows, k = len(rows), spec.branching
-        greedy = self.sampling.greedy
+        sampling = batch.sampling_of(rows, device)
+        greedy = sampling.greedy
         sampled = spec.sampled and not greedy
-        distribution = ((lambda scores: scores.float().softmax(dim=-1)) if greedy
-                        else (lambda scores: process_logits(scores, self.sampling)))
+        if sampled and isinstance(sampling, RowSampling):  # the engine refuses such requests first
+            raise ValueError(f"{self.describe()} draws sampled trees with one SamplingParams for every row, but the "
+                             "rows asked differ: use TreeSpec(sampled=False) or give every request the same sampling")
+
+        def distribution(scores):  # [R, E, V] -> q [R, E, V]: the softmax when greedy (a greedy row's too)
+            if greedy:
+                return scores.float().softmax(dim=-1)
+            q = process_logits(scores, sampling)
+            if isinstance(sampling, RowSampling):
+                q = torch.where(sampling.per_row(sampling.is_greedy, q), scores.float().softmax(dim=-1), q)
+            return q
         rows_t = to_device(rows, device)
         seeds, lengths = self._seeds[rows_t], to_device(batch.lengths[rows], device)  # [R] each
         depth_limit = np.minimum(np.minimum(spec.depth, num_tokens[rows]), np.maximum(batch.remaining[rows] - 1, 1))
