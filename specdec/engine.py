@@ -20,7 +20,9 @@ rows never attend to each other, the sampling noise of a token is a function of 
 alone, and each row is processed with its own parameters by the same operations as alone.
 
 Cost per step: one target forward over the active rows' drafts (plus one prefill pass in a step
-that admits requests), the drafters' passes, and one device-to-host copy.
+that admits requests), the drafters' passes, and one device-to-host copy. While rows with
+different sampling parameters are in flight, also one small host-to-device copy of them per
+pass that samples, and the processing of every row's distribution (greedy rows' included).
 """
 
 from __future__ import annotations

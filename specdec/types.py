@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .transfer import to_device_many
+
 
 def is_int_at_least(value, minimum: int) -> bool:
     """Whether ``value`` is an integer (Python or numpy, not a bool) of at least ``minimum``: the
@@ -104,15 +106,16 @@ class RowSampling:
 
     @classmethod
     def of(cls, rows: np.ndarray, device) -> "RowSampling":
-        """rows: [R, 4] float64 (host_rows of each row) -> a RowSampling on ``device``."""
+        """rows: [R, 4] float64 (host_rows of each row) -> a RowSampling on ``device``, in one
+        host-to-device copy (the float32 values travel as their bits)."""
         temperature, top_k, top_p, penalty = (rows[:, i] for i in range(4))
         greedy = temperature == 0.0
-        as_tensor = lambda values, dtype: torch.as_tensor(np.ascontiguousarray(values), dtype=dtype).to(device)  # noqa: E731
-        return cls(temperature=as_tensor(np.where(greedy, 1.0, temperature), torch.float32),
-                   is_greedy=as_tensor(greedy, torch.bool),
-                   top_k=as_tensor(top_k.astype(np.int64), torch.int64),
-                   top_p=as_tensor(top_p, torch.float32), penalty=as_tensor(penalty, torch.float32),
-                   greedy=bool(greedy.all()), cuts_top_k=bool((top_k[~greedy] < NO_TOP_K).any()),
+        floats = np.stack([np.where(greedy, 1.0, temperature), top_p, penalty]).astype(np.float32)  # [3, R]
+        float_bits, top_k_t, greedy_t = to_device_many([floats.view(np.int32), top_k.astype(np.int64), greedy],
+                                                       torch.device(device))
+        temperature_t, top_p_t, penalty_t = float_bits.int().view(torch.float32)
+        return cls(temperature=temperature_t, is_greedy=greedy_t.bool(), top_k=top_k_t, top_p=top_p_t,
+                   penalty=penalty_t, greedy=bool(greedy.all()), cuts_top_k=bool((top_k[~greedy] < NO_TOP_K).any()),
                    cuts_top_p=bool(np.isfinite(top_p[~greedy]).any()), penalises=bool((penalty != 1.0).any()))
 
     def take(self, index: torch.Tensor) -> "RowSampling":

@@ -5,8 +5,8 @@ and verify passes, and each request's output is the one it gets alone.
 - Exactness (CPU, float32): under staggered arrivals, every request's tokens, and the draft
   tokens accepted for it, are bit-identical to generate() on that request alone with its own
   params and seed (for greedy params: the target's own greedy output), for the model drafter,
-  prompt lookup, no drafter, a deterministic token tree (TreeVerifier) and the self-speculative
-  drafter. A spy on RowSampling.of checks that the mixed path really ran.
+  prompt lookup, no drafter, a deterministic token tree and a prompt-lookup trie (TreeVerifier),
+  the self-speculative drafter and SPIRe. A spy on RowSampling.of checks that the mixed path really ran.
 - Distribution: rows at temperature 0.7 and at top-k 3 (temperature 1.2), decoded in one batch
   beside greedy rows and rows at temperature 1.5 with a repetition penalty, follow the target's
   processed joint of the first two tokens under their own params (chi-square, threshold stated
@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from specdec import Engine, SamplingParams, generate
-from specdec.drafters import ModelDrafter, PromptLookupDrafter, SelfSpeculativeDrafter
+from specdec.drafters import ModelDrafter, PromptLookupDrafter, SelfSpeculativeDrafter, SpireDraft, SPIReDrafter
 from specdec.drafters.tree import TreeSpec
 from specdec.policies import FixedPolicy
 from specdec.sampling import chain_verdict, process_logits
 from specdec.types import RowSampling
-from tests.test_engine import run_schedule
+from specdec.verifiers import TreeVerifier
 from tests.test_generate_sampling import joint_pvalue
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts, shifted
 
@@ -56,6 +56,7 @@ def drafter_of(kind, model):
             "tree": lambda: ModelDrafter(perturbed_copy(model, 0.3), tree=TreeSpec(depth=3, branching=2, sampled=False)),
             "trie": lambda: PromptLookupDrafter(tree=TreeSpec(depth=3, branching=2)),
             "self": lambda: SelfSpeculativeDrafter(sink=1, window=3),
+            "spire": lambda: SPIReDrafter(SpireDraft.from_target(model, window=3)),
             "none": lambda: None}[kind]()
 
 
@@ -74,7 +75,7 @@ def mixed_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("kind,schedule_seed", [("model", 0), ("model", 1), ("lookup", 2), ("none", 3), ("tree", 4),
-                                                ("trie", 5), ("self", 6)])
+                                                ("trie", 5), ("self", 6), ("spire", 7)])
 def test_each_request_gets_what_it_gets_alone_whatever_params_run_beside_it(model, mixed_steps, kind, schedule_seed):
     rng = np.random.default_rng(schedule_seed)
     prompts = random_prompts(9, VOCAB, seed=30 + schedule_seed, min_len=2, max_len=14)
@@ -85,11 +86,7 @@ def test_each_request_gets_what_it_gets_alone_whatever_params_run_beside_it(mode
     arrivals = np.sort(rng.integers(0, 8, size=len(prompts))).tolist()
     params = [PARAMS[(i + schedule_seed) % len(PARAMS)] for i in range(len(prompts))]
     policy = FixedPolicy(0 if kind == "none" else 4 if kind in ("tree", "trie") else 3)
-    verifier = None
-    if kind in ("tree", "trie"):
-        from specdec.verifiers import TreeVerifier
-
-        verifier = TreeVerifier()
+    verifier = TreeVerifier() if kind in ("tree", "trie") else None
     with Engine(model, drafter_of(kind, model), verifier, policy=policy, max_rows=3, max_len=64,
                 sampling=ENGINE_DEFAULT, eos_token_id=[]) as engine:
         ids, finished, step = [None] * len(prompts), {}, 0
@@ -179,7 +176,8 @@ def test_rows_of_each_params_follow_their_own_processed_distribution():
     assert 0.0 < acceptance < 1.0  # both branches of the rule ran
     outputs = {params: [finished[i].token_ids for i, p in zip(ids, plan) if p == params] for params in groups}
     assert len(outputs[TEMPERATURE]) == len(outputs[TOP_K]) == N
-    assert all(s == hf_greedy(target, PROMPT, 4) for s in outputs[GREEDY])
+    greedy_output = hf_greedy(target, PROMPT, 4)
+    assert all(s == greedy_output for s in outputs[GREEDY])
     joints = {TEMPERATURE: joint_first_two(target, TEMPERATURE), TOP_K: joint_first_two(target, TOP_K)}
     for params, other in ((TEMPERATURE, TOP_K), (TOP_K, TEMPERATURE)):
         first_two = [s[:2] for s in outputs[params]]
@@ -268,8 +266,6 @@ def test_bad_sampling_gets_a_clear_error(model):
             engine.add_request([1, 2], 4, SamplingParams(temperature=-1.0))
         assert engine.num_waiting == 0
     sampled_tree = ModelDrafter(perturbed_copy(model, 0.3), tree=TreeSpec(depth=2, branching=2, sampled=True))
-    from specdec.verifiers import TreeVerifier
-
     with Engine(model, sampled_tree, TreeVerifier(), policy=FixedPolicy(2), max_rows=2, max_len=20,
                 sampling=ENGINE_DEFAULT) as engine:
         engine.add_request([1, 2], 4, ENGINE_DEFAULT)  # the engine's own: fine
