@@ -214,19 +214,12 @@ class Engine:
         return self.enqueue(tokens, max_new_tokens, int(seed), eos, sampling)
 
     def _check_sampling(self, sampling) -> SamplingParams | None:
-        """A request's own sampling parameters, checked: None (the engine's) or a SamplingParams
-        that every drafter can draft beside other rows' parameters."""
+        """A request's own sampling parameters, checked: None for the engine's, else a SamplingParams."""
         if sampling is None or sampling == self.sampling:
             return None
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams (or None for the engine's), got {type(sampling).__name__}"
                             " (the seed is its own argument: add_request(prompt, max_new_tokens, seed=...))")
-        for d in self.drafters:
-            if not d.mixes_sampling:
-                raise ValueError(f"{d.describe()} cannot draft for rows with different sampling parameters in one step "
-                                 f"(a sampled token tree draws every row's children alike): build the engine with "
-                                 f"sampling={sampling!r} and add every request with the engine's, or give the drafter "
-                                 "TreeSpec(sampled=False)")
         return sampling
 
     def enqueue(self, prompt: np.ndarray, max_new_tokens: int, seed: int, eos_token_ids: np.ndarray | None = None,

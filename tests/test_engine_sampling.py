@@ -5,8 +5,8 @@ and verify passes, and each request's output is the one it gets alone.
 - Exactness (CPU, float32): under staggered arrivals, every request's tokens, and the draft
   tokens accepted for it, are bit-identical to generate() on that request alone with its own
   params and seed (for greedy params: the target's own greedy output), for the model drafter,
-  prompt lookup, no drafter, a deterministic token tree and a prompt-lookup trie (TreeVerifier),
-  the self-speculative drafter and SPIRe. A spy on RowSampling.of checks that the mixed path really ran.
+  prompt lookup, no drafter, token trees with sampled and with deterministic children and a
+  prompt-lookup trie (TreeVerifier), the self-speculative drafter and SPIRe. A spy on RowSampling.of checks that the mixed path really ran.
 - Distribution: rows at temperature 0.7 and at top-k 3 (temperature 1.2), decoded in one batch
   beside greedy rows and rows at temperature 1.5 with a repetition penalty, follow the target's
   processed joint of the first two tokens under their own params (chi-square, threshold stated
@@ -54,6 +54,7 @@ def model():
 def drafter_of(kind, model):
     return {"model": lambda: ModelDrafter(perturbed_copy(model, 0.3)), "lookup": PromptLookupDrafter,
             "tree": lambda: ModelDrafter(perturbed_copy(model, 0.3), tree=TreeSpec(depth=3, branching=2, sampled=False)),
+            "sampled tree": lambda: ModelDrafter(perturbed_copy(model, 0.3), tree=TreeSpec(depth=3, branching=2)),
             "trie": lambda: PromptLookupDrafter(tree=TreeSpec(depth=3, branching=2)),
             "self": lambda: SelfSpeculativeDrafter(sink=1, window=3),
             "spire": lambda: SPIReDrafter(SpireDraft.from_target(model, window=3)),
@@ -75,6 +76,7 @@ def mixed_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("kind,schedule_seed", [("model", 0), ("model", 1), ("lookup", 2), ("none", 3), ("tree", 4),
+                                                ("sampled tree", 8),
                                                 ("trie", 5), ("self", 6), ("spire", 7)])
 def test_each_request_gets_what_it_gets_alone_whatever_params_run_beside_it(model, mixed_steps, kind, schedule_seed):
     rng = np.random.default_rng(schedule_seed)
@@ -85,8 +87,8 @@ def test_each_request_gets_what_it_gets_alone_whatever_params_run_beside_it(mode
     seeds = rng.integers(0, 2**31, size=len(prompts)).tolist()
     arrivals = np.sort(rng.integers(0, 8, size=len(prompts))).tolist()
     params = [PARAMS[(i + schedule_seed) % len(PARAMS)] for i in range(len(prompts))]
-    policy = FixedPolicy(0 if kind == "none" else 4 if kind in ("tree", "trie") else 3)
-    verifier = TreeVerifier() if kind in ("tree", "trie") else None
+    policy = FixedPolicy(0 if kind == "none" else 4 if kind in ("tree", "sampled tree", "trie") else 3)
+    verifier = TreeVerifier() if kind in ("tree", "sampled tree", "trie") else None
     with Engine(model, drafter_of(kind, model), verifier, policy=policy, max_rows=3, max_len=64,
                 sampling=ENGINE_DEFAULT, eos_token_id=[]) as engine:
         ids, finished, step = [None] * len(prompts), {}, 0
@@ -265,11 +267,3 @@ def test_bad_sampling_gets_a_clear_error(model):
         with pytest.raises(ValueError, match="temperature must be >= 0"):
             engine.add_request([1, 2], 4, SamplingParams(temperature=-1.0))
         assert engine.num_waiting == 0
-    sampled_tree = ModelDrafter(perturbed_copy(model, 0.3), tree=TreeSpec(depth=2, branching=2, sampled=True))
-    with Engine(model, sampled_tree, TreeVerifier(), policy=FixedPolicy(2), max_rows=2, max_len=20,
-                sampling=ENGINE_DEFAULT) as engine:
-        engine.add_request([1, 2], 4, ENGINE_DEFAULT)  # the engine's own: fine
-        engine.add_request([1, 2], 4, None)
-        with pytest.raises(ValueError, match="TreeSpec\\(sampled=False\\)"):
-            engine.add_request([1, 2], 4, GREEDY)
-        assert engine.num_waiting == 2

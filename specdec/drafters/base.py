@@ -26,9 +26,6 @@ class Drafter(ABC):
     tree = None
     #: whether it drafts from the target's runner (bind_target): its cache, weights or activations
     reads_target = False
-    #: whether rows with different sampling parameters may share its proposals (an Engine's
-    #: requests with their own SamplingParams): it reads each row's from ``batch.sampling_of``
-    mixes_sampling = True
 
     @property
     def makes_trees(self) -> bool:

@@ -32,7 +32,7 @@ from ..runner import (ModelRunner, PackedLayout, TreeLayout, check_supported, de
 from ..sampling import DETACHED, next_tokens, process_logits
 from ..token_rules import apply_token_rules, committed_tokens_seen, penalises_repeats, rules_active
 from ..types import PAD_ID, Draft, RowSampling, SamplingParams, take_rows
-from .base import Drafter, trees_and_chains
+from .base import Drafter, merge_drafts, trees_and_chains
 from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs, static_shape
 
 
@@ -80,11 +80,6 @@ class ModelDrafter(Drafter):
     def describe(self) -> str:
         shape = "" if self.tree is None else f", tree depth {self.tree.depth} x {self.tree.branching}"
         return f"ModelDrafter({type(self.model).__name__}, {sum(p.numel() for p in self.model.parameters()):,} params{shape})"
-
-    @property
-    def mixes_sampling(self) -> bool:
-        """Sampled token trees draw every row's children with one SamplingParams (drafters/tree.py)."""
-        return self.tree is None or not self.tree.sampled
 
     def _current_device(self):
         """Make the drafter's GPU the current one while it works (kernel launches and graph
@@ -210,14 +205,13 @@ class ModelDrafter(Drafter):
         rows = np.flatnonzero(num_tokens > 0)
         if len(rows) == 0:
             return draft
-        logits = self._catch_up(batch, rows)  # [R, V]
-        num_rows, k = len(rows), spec.branching
         sampling = batch.sampling_of(rows, device)
         greedy = sampling.greedy
         sampled = spec.sampled and not greedy
-        if sampled and isinstance(sampling, RowSampling):  # the engine refuses such requests first
-            raise ValueError(f"{self.describe()} draws sampled trees with one SamplingParams for every row, but the "
-                             "rows asked differ: use TreeSpec(sampled=False) or give every request the same sampling")
+        if sampled and isinstance(sampling, RowSampling):
+            return self._tree_per_sampling(batch, num_tokens, rows)
+        logits = self._catch_up(batch, rows)  # [R, V]
+        num_rows, k = len(rows), spec.branching
 
         def distribution(scores):  # [R, E, V] -> q [R, E, V]: the softmax when greedy (a greedy row's too)
             if greedy:
@@ -300,6 +294,18 @@ class ModelDrafter(Drafter):
             draft.probs = torch.zeros(batch.num_rows, width, vocab, device=device)
             draft.probs[rows_t] = sibling_draft_probs(parent_q, earlier)
         return draft
+
+    def _tree_per_sampling(self, batch: BatchState, num_tokens: np.ndarray, rows: np.ndarray) -> Draft:
+        """Sampled trees for asked ``rows`` whose sampling parameters differ: the children of a
+        sampled tree are drawn with one SamplingParams for all rows (choose_children, static_shape),
+        so each set of parameters gets a tree proposal of its own (its rows' own, as alone), merged
+        by row. Cost: one tree proposal (depth - 1 passes) per distinct set of parameters."""
+        _, group = np.unique(batch.row_sampling[rows], axis=0, return_inverse=True)
+        owner = np.zeros(batch.num_rows, dtype=np.int64)
+        owner[rows] = group.ravel()
+        asked = num_tokens > 0
+        drafts = [self._propose_tree(batch, np.where(asked & (owner == g), num_tokens, 0)) for g in range(owner.max() + 1)]
+        return merge_drafts(drafts, owner, self.vocab_size)
 
     def _catch_up(self, batch: BatchState, asked: np.ndarray) -> torch.Tensor:
         """Feed every unfinished row the committed tokens its cache lacks (at least the last one
