@@ -6,23 +6,26 @@ sequence or committed its ``max_new_tokens[r]`` tokens, and a finished row takes
 further forward pass. A row without a request (``BatchState.empty``, or after ``release``)
 counts as finished. ``admit`` gives a free row a new request (the engine's continuous batching).
 All of this is host-side control data, updated once per step from the verdict the step copied
-to the host.
+to the host. Each row also keeps its request's SamplingParams: ``sampling_of`` hands rows that
+share one that object (every rule's uniform path) and others a RowSampling.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .types import PAD_ID, HostVerdict
+from .types import PAD_ID, HostVerdict, RowSampling, SamplingParams
 
 NO_EOS = -2  # pads a row's EOS ids (never a token, nor PAD_ID)
 
 
 class BatchState:
     def __init__(self, prompts: list[np.ndarray], max_new_tokens, seeds: np.ndarray, eos_token_ids: np.ndarray,
-                 stop_sequences: list[np.ndarray] = (), min_new_tokens: int = 0, max_total_len: int | None = None):
+                 stop_sequences: list[np.ndarray] = (), min_new_tokens: int = 0, max_total_len: int | None = None,
+                 sampling: SamplingParams | None = None):
         """max_new_tokens: one budget for every row, or [B]. max_total_len: the row width (prompt
-        plus output) to allocate; by default the longest prompt plus the largest budget."""
+        plus output) to allocate; by default the longest prompt plus the largest budget.
+        sampling: every row's until ``admit`` gives one its own (default greedy)."""
         self.num_rows = len(prompts)
         self.prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # [B]
         self.max_new_tokens = np.broadcast_to(np.asarray(max_new_tokens, dtype=np.int64), (self.num_rows,)).copy()  # [B]
@@ -42,18 +45,22 @@ class BatchState:
         self.finished = self.max_new_tokens == 0  # [B]
         self.stopped = np.zeros(self.num_rows, dtype=bool)  # [B] ended by an EOS token or a stop sequence
         self.logprobs: np.ndarray | None = None  # [B, T] float32 once a verdict carries them
+        self.sampling = SamplingParams() if sampling is None else sampling  # the rows' unless admit() says
+        self.row_params = np.full(self.num_rows, self.sampling, dtype=object)  # [B] each row's SamplingParams
+        self.row_sampling = np.tile(RowSampling.host_rows(self.sampling), (self.num_rows, 1))  # [B, 4] RowSampling.host_rows
+        self._own_sampling = False  # whether admit() ever gave a row other sampling than the batch's
 
     @classmethod
     def empty(cls, num_rows: int, max_total_len: int, eos_token_ids: np.ndarray, stop_sequences=(),
-              min_new_tokens: int = 0) -> "BatchState":
+              min_new_tokens: int = 0, sampling: SamplingParams | None = None) -> "BatchState":
         """``num_rows`` free rows of width ``max_total_len``, for ``admit``."""
         return cls([np.zeros(0, dtype=np.int64)] * num_rows, 0, np.zeros(num_rows, dtype=np.int64), eos_token_ids,
-                   stop_sequences, min_new_tokens, max_total_len=max_total_len)
+                   stop_sequences, min_new_tokens, max_total_len=max_total_len, sampling=sampling)
 
     def admit(self, row: int, prompt: np.ndarray, max_new_tokens: int, seed: int,
-              eos_token_ids: np.ndarray | None = None) -> None:
-        """Give free row ``row`` a new request: its prompt, budget, seed and EOS ids (None: the
-        batch's); nothing of the row's previous request remains."""
+              eos_token_ids: np.ndarray | None = None, sampling: SamplingParams | None = None) -> None:
+        """Give free row ``row`` a new request: its prompt, budget, seed, EOS ids and sampling
+        (None: the batch's); nothing of the row's previous request remains."""
         if not self.finished[row]:
             raise ValueError(f"row {row} still holds an unfinished request")
         if len(prompt) + max_new_tokens > self.max_total_len:
@@ -71,6 +78,10 @@ class BatchState:
             self.row_eos = wider
         self.row_eos[row] = NO_EOS
         self.row_eos[row, : len(eos)] = eos
+        params = self.sampling if sampling is None else sampling
+        self.row_params[row] = params
+        self._own_sampling |= params != self.sampling
+        self.row_sampling[row] = RowSampling.host_rows(params)
         self.finished[row] = max_new_tokens == 0
         self.stopped[row] = False
         if self.logprobs is not None:
@@ -95,6 +106,17 @@ class BatchState:
 
     def active_rows(self) -> np.ndarray:
         return np.flatnonzero(~self.finished)
+
+    def sampling_of(self, rows: np.ndarray, device) -> SamplingParams | RowSampling:
+        """How ``rows`` [R] sample: their one SamplingParams when they share it (always so in
+        generate()), else a RowSampling on ``device`` (one small host-to-device copy, no
+        synchronisation)."""
+        if len(rows) == 0 or not self._own_sampling:
+            return self.sampling
+        host = self.row_sampling[rows]  # [R, 4]
+        if (host == host[0]).all():  # the same numbers: the same processing (host_rows)
+            return self.row_params[rows[0]]
+        return RowSampling.of(host, device)
 
     def packed_tokens(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Committed tokens [starts[i], ends[i]) of each rows[i], packed row after row -> [N]."""

@@ -9,13 +9,20 @@ synchronisation), drafters roll back to what was accepted, and the policy observ
 request ends (EOS, stop sequence, budget, or ``cancel``) is freed for the next waiting request.
 ``generate()`` is this engine run over a closed set of requests.
 
+Each request may bring its own SamplingParams (``add_request(..., sampling=...)``). Rows that share
+one take every rule's uniform path, as generate() always does; rows that differ share the step's
+draft and verify passes with per-row parameters (types.RowSampling: BatchState.sampling_of).
+
 Invariant (lossless, per request): a request's output is the target's own, token for token under
 greedy decoding and identically distributed under sampling, and depends only on its prompt, its
-budget and its seed, never on what else is in flight or when it arrived: rows never attend to
-each other, and the sampling noise of a token is a function of (seed, position) alone.
+budget, its sampling parameters and its seed, never on what else is in flight or when it arrived:
+rows never attend to each other, the sampling noise of a token is a function of (seed, position)
+alone, and each row is processed with its own parameters by the same operations as alone.
 
 Cost per step: one target forward over the active rows' drafts (plus one prefill pass in a step
-that admits requests), the drafters' passes, and one device-to-host copy.
+that admits requests), the drafters' passes, and one device-to-host copy. While rows with
+different sampling parameters are in flight, also one small host-to-device copy of them per
+pass that samples, and the processing of every row's distribution (greedy rows' included).
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ class _Request:
     seed: int
     arrival_s: float
     eos_token_ids: np.ndarray | None = None  # [E] its own EOS ids; None: the engine's
+    sampling: SamplingParams | None = None  # its own; None: the engine's
     row: int = -1  # its cache row once admitted
     first_token_s: float | None = None
 
@@ -77,8 +85,8 @@ class _Request:
 class Engine:
     """A speculative decoding engine over ``max_rows`` cache rows of ``max_len`` positions each
     (a request's prompt plus its max_new_tokens must fit). Components and options are those of
-    generate(); sampling, stop sequences and min_new_tokens are the engine's, for every request,
-    and so are the EOS ids unless a request brings its own (``add_request``). max_new_tokens: the most any request may ask (default: max_len); caches and graphs
+    generate(); stop sequences and min_new_tokens are the engine's, for every request, and so are
+    the sampling parameters and the EOS ids unless a request brings its own (``add_request``). max_new_tokens: the most any request may ask (default: max_len); caches and graphs
     are sized for drafts no longer than that allows.
 
     Use it as a context manager, or call ``close()``: while open it holds the target's (and the
@@ -125,7 +133,7 @@ class Engine:
         self.target, self.max_len, self.return_logprobs = target, max_len, return_logprobs
         self.batch = BatchState.empty(max_rows, max_len, inputs.normalise_eos(eos_token_id, self.vocab_size),
                                       inputs.normalise_stop_sequences(stop_sequences, self.vocab_size),
-                                      min_new_tokens)
+                                      min_new_tokens, sampling=self.sampling)
         self._trees = np.array([d.makes_trees for d in self.drafters], dtype=bool)  # [D]
         # a row drafts at most one token fewer than it may still emit, so caches and graphs are
         # sized by what requests can use, not by the policy's largest length (a tree's nodes are
@@ -183,11 +191,13 @@ class Engine:
         return time.perf_counter() - self._clock
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, prompt, max_new_tokens: int = 128, seed: int = 0,
+    def add_request(self, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None, seed: int = 0,
                     eos_token_id: int | list[int] | None = None) -> int:
         """Queue a request (token ids: a list or a 1-D tensor) -> its id. It is admitted by a
-        later ``step()`` once a row is free, first come first served. eos_token_id: this
-        request's EOS id(s) ([] never stops early); None takes the engine's."""
+        later ``step()`` once a row is free, first come first served. sampling: this request's
+        SamplingParams; None takes the engine's. eos_token_id: this request's EOS id(s) ([] never
+        stops early); None takes the engine's."""
+        sampling = self._check_sampling(sampling)
         (tokens,) = inputs.normalise_prompts([prompt], self.vocab_size)
         max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
         if max_new_tokens > self.max_new_tokens:
@@ -201,11 +211,21 @@ class Engine:
                              "larger max_len")
         inputs.check_lengths_fit(self.target, [tokens], max_new_tokens)
         eos = None if eos_token_id is None else inputs.normalise_eos(eos_token_id, self.vocab_size)
-        return self.enqueue(tokens, max_new_tokens, int(seed), eos)
+        return self.enqueue(tokens, max_new_tokens, int(seed), eos, sampling)
 
-    def enqueue(self, prompt: np.ndarray, max_new_tokens: int, seed: int, eos_token_ids: np.ndarray | None = None) -> int:
+    def _check_sampling(self, sampling) -> SamplingParams | None:
+        """A request's own sampling parameters, checked: None for the engine's, else a SamplingParams."""
+        if sampling is None or sampling == self.sampling:
+            return None
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams (or None for the engine's), got {type(sampling).__name__}"
+                            " (the seed is its own argument: add_request(prompt, max_new_tokens, seed=...))")
+        return sampling
+
+    def enqueue(self, prompt: np.ndarray, max_new_tokens: int, seed: int, eos_token_ids: np.ndarray | None = None,
+                sampling: SamplingParams | None = None) -> int:
         """``add_request`` without its checks, for a caller that made them (generate())."""
-        request = _Request(self._next_id, prompt, max_new_tokens, seed, self.now(), eos_token_ids)
+        request = _Request(self._next_id, prompt, max_new_tokens, seed, self.now(), eos_token_ids, sampling)
         self._next_id += 1
         self._waiting.append(request)
         return request.id
@@ -291,7 +311,8 @@ class Engine:
             request, row = self._waiting.popleft(), free.pop(0)
             request.row = row
             self._rows[row] = request
-            self.batch.admit(row, request.prompt, request.max_new_tokens, request.seed, request.eos_token_ids)
+            self.batch.admit(row, request.prompt, request.max_new_tokens, request.seed, request.eos_token_ids,
+                             request.sampling)
             self._first_token_s[row] = np.nan
             admitted.append(row)
         rows = np.array(admitted, dtype=np.int64)
@@ -323,8 +344,8 @@ class Engine:
         with timer.phase("draft"):
             draft = _propose(self.drafters, batch, plan, self.device, self.vocab_size, timer)
         with timer.phase("verify"):
-            verdict, cost = self.verifier.verify(self.runner, batch, draft, self.sampling,
-                                                 logprobs=self.return_logprobs)
+            sampling = batch.sampling_of(batch.active_rows(), self.device)  # SamplingParams when the rows share one
+            verdict, cost = self.verifier.verify(self.runner, batch, draft, sampling, logprobs=self.return_logprobs)
         rows = batch.active_rows()
         host = verdict.to_host(self._group)  # the step's one synchronisation (rank 0 decides)
         _raise_on_malformed_trees(host, plan, self.drafters)

@@ -21,6 +21,11 @@ Rules (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.013
 
 Every random number comes from ``noise.py``, keyed by (request seed, token position, purpose);
 no rule synchronises with the host.
+
+Rows with different sampling parameters (types.RowSampling) share one pass: ``process_logits``
+then processes each row with its own, and gives a greedy row the point mass on its argmax, so
+the sampled rules above reduce to the greedy rule on that row (accept exactly the argmax, emit
+the argmax). Rows sharing one SamplingParams take the uniform paths, unchanged.
 """
 
 from __future__ import annotations
@@ -28,16 +33,22 @@ from __future__ import annotations
 import torch
 
 from . import noise
-from .types import PAD_ID, SamplingParams, Verdict
+from .types import PAD_ID, RowSampling, SamplingParams, Verdict
+
+Sampling = SamplingParams | RowSampling  # one SamplingParams for every row, or each row's own
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
     """Temperature, then top-k, then top-p; returns float32 probabilities.
 
-    logits: [..., V] -> probs [..., V]. Not for greedy params (there is no distribution).
+    logits: [..., V] -> probs [..., V]; under a RowSampling, [R, ..., V], each row with its own
+    parameters, a greedy row's distribution being the point mass on its argmax. Not for greedy
+    params (there is no distribution).
     """
     if params.greedy:
         raise ValueError("process_logits needs temperature > 0; greedy decoding uses argmax")
+    if isinstance(params, RowSampling):
+        return _process_rows(logits, params)
     scores = logits.float() / params.temperature  # [..., V]
     vocab_size = scores.shape[-1]
     if params.top_k is not None and params.top_k < vocab_size:
@@ -53,6 +64,29 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return scores.softmax(dim=-1)
 
 
+def _process_rows(logits: torch.Tensor, params: RowSampling) -> torch.Tensor:
+    """process_logits with per-row parameters [R]: the same operations on each row as its own
+    SamplingParams would run (a neutral value where it cuts nothing), so that a row's numbers
+    are bit-for-bit those it gets alone. logits: [R, ..., V] -> [R, ..., V]."""
+    scores = logits.float() / params.per_row(params.temperature, logits)  # [R, ..., V]
+    vocab_size = scores.shape[-1]
+    if params.cuts_top_k:
+        kth = params.per_row(params.top_k.clamp(max=vocab_size) - 1, logits)  # [R, 1, ..., 1]
+        sorted_scores = torch.sort(scores, dim=-1, descending=True).values  # [R, ..., V]
+        kth_best = sorted_scores.gather(-1, kth.expand(*scores.shape[:-1], 1))  # [R, ..., 1]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    if params.cuts_top_p:  # an infinite top_p drops nothing
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [R, ..., V]
+        sorted_probs = sorted_scores.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.per_row(params.top_p, logits)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    argmax = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).to(probs.dtype)  # from the logits' own dtype
+    return torch.where(params.per_row(params.is_greedy, logits), argmax, probs)
+
+
 def sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """One token per distribution by the exponential race. probs: [..., V], keys: [...] -> [...]."""
     race = probs / noise.exponential_noise(keys, probs.shape[-1])  # [..., V]
@@ -60,9 +94,10 @@ def sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def next_tokens(
-    logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, positions: torch.Tensor, purpose: int
+    logits: torch.Tensor, params: Sampling, seeds: torch.Tensor, positions: torch.Tensor, purpose: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Choose one token per row from its logits: argmax when greedy, else a keyed sample.
+    """Choose one token per row from its logits: argmax when greedy, else a keyed sample (a
+    greedy row of a RowSampling: its argmax, with the point mass on it as its probabilities).
 
     logits: [R, V], seeds: [R], positions: [R] (position the token will take) ->
     (token_ids [R], probs [R, V] or None when greedy).
@@ -78,7 +113,7 @@ def chain_verdict(
     num_draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    params: SamplingParams,
+    params: Sampling,
     seeds: torch.Tensor,
     first_positions: torch.Tensor,
     logprobs: bool = False,
@@ -127,17 +162,20 @@ def chain_verdict(
     return verdict
 
 
-def emitted_logprobs(target_logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams,
+def emitted_logprobs(target_logits: torch.Tensor, token_ids: torch.Tensor, params: Sampling,
                      target_probs: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probability of each emitted token under the target's processed distribution at its
     slot: log-softmax of the logits when greedy (as transformers' transition scores), the log of
-    ``process_logits`` otherwise (``target_probs`` [R, K+1, V] when already processed).
-    target_logits: [R, K+1, V], token_ids: [R, K+1] (PAD_ID beyond the emitted ones, which get 0)
-    -> [R, K+1] float32."""
+    ``process_logits`` otherwise (``target_probs`` [R, K+1, V] when already processed); row by
+    row under a RowSampling. target_logits: [R, K+1, V], token_ids: [R, K+1] (PAD_ID beyond the
+    emitted ones, which get 0) -> [R, K+1] float32."""
     if params.greedy:
         log_probs = target_logits.float().log_softmax(dim=-1)  # [R, K+1, V]
     else:
         log_probs = (process_logits(target_logits, params) if target_probs is None else target_probs).log()
+        if isinstance(params, RowSampling):
+            log_probs = torch.where(params.per_row(params.is_greedy, log_probs),
+                                    target_logits.float().log_softmax(dim=-1), log_probs)
     chosen = log_probs.gather(-1, token_ids.clamp(min=0)[..., None])[..., 0]  # [R, K+1]
     return chosen.masked_fill(token_ids == PAD_ID, 0.0)
 
@@ -221,7 +259,7 @@ def tree_accept_uniforms(parents: torch.Tensor, num_nodes: torch.Tensor, seeds: 
 
 
 def walk_tree(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_scores: torch.Tensor,
-              draft_probs: torch.Tensor | None, params: SamplingParams, accept_u: torch.Tensor | None,
+              draft_probs: torch.Tensor | None, params: Sampling, accept_u: torch.Tensor | None,
               max_tried: int | None = None):
     """Walk every row's tree from the root: try the children of the current node in order, descend
     into the first one accepted, stop where none is.
@@ -326,7 +364,7 @@ def greedy_tree_path(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: 
 
 
 def tree_verdict(token_ids: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, target_logits: torch.Tensor,
-                 draft_probs: torch.Tensor | None, params: SamplingParams, seeds: torch.Tensor,
+                 draft_probs: torch.Tensor | None, params: Sampling, seeds: torch.Tensor,
                  first_positions: torch.Tensor, logprobs: bool = False,
                  reach: torch.Tensor | None = None, max_tried: int | None = None) -> tuple[Verdict, torch.Tensor]:
     """The tree acceptance rule for every row at once (greedy_tree_path, walk_tree), with keyed

@@ -7,7 +7,8 @@ Invariant: the logits scoring the token at a position are adjusted from exactly 
 precede that position (the prompt, the committed output and, inside a draft chain, the chain's
 tokens before it) and from how many new tokens precede it, as plain decoding adjusts them at the
 same position. The target's logits at every chain slot and a model drafter's at every depth are
-adjusted alike, so speculative decoding stays lossless with the rules on.
+adjusted alike, so speculative decoding stays lossless with the rules on. Under a RowSampling each
+row has its own penalty (1 on rows without one, a factor that changes no bit).
 
 Cost: nothing while both rules are off; otherwise one float32 copy of the logits [R, S, V]. With
 a penalty, one host-to-device copy of the rows' committed tokens [R, T] per pass, a [R, V] mask
@@ -21,23 +22,30 @@ import torch
 
 from .batch import BatchState
 from .transfer import to_device
-from .types import PAD_ID, SamplingParams
+from .types import PAD_ID, RowSampling, SamplingParams
 
 
-def _penalty(params: SamplingParams) -> float | None:
+def _penalty(params: SamplingParams | RowSampling, like: torch.Tensor) -> float | torch.Tensor | None:
+    """The penalty to divide and multiply ``like`` [R, ...] by: a float, per-row float32 factors
+    shaped to broadcast (1 on rows without one, which changes no bit), or None when no row has one."""
+    if isinstance(params, RowSampling):
+        return params.per_row(params.penalty, like) if params.penalises else None
     return None if params.repetition_penalty in (None, 1.0) else float(params.repetition_penalty)
 
 
-def penalises_repeats(params: SamplingParams) -> bool:
-    return _penalty(params) is not None
+def penalises_repeats(params: SamplingParams | RowSampling) -> bool:
+    if isinstance(params, RowSampling):
+        return params.penalises
+    return params.repetition_penalty not in (None, 1.0)
 
 
-def rules_active(batch: BatchState, params: SamplingParams) -> bool:
+def rules_active(batch: BatchState, params: SamplingParams | RowSampling) -> bool:
     return penalises_repeats(params) or (batch.min_new_tokens > 0 and batch.has_eos())
 
 
 def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray, extra: torch.Tensor | None,
-                      seen_extra: int, params: SamplingParams, committed_seen: torch.Tensor | None = None) -> torch.Tensor:
+                      seen_extra: int, params: SamplingParams | RowSampling,
+                      committed_seen: torch.Tensor | None = None) -> torch.Tensor:
     """Adjusted float32 logits, a new tensor. logits: [R, S, V], slot s scoring the token after
     the committed tokens of ``rows`` [R] and the first ``seen_extra + s`` tokens of ``extra``
     [R, X] (tokens past the committed ones, PAD_ID where absent) -> [R, S, V]. committed_seen:
@@ -45,7 +53,7 @@ def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray,
     num_rows, num_slots, vocab_size = logits.shape
     device = logits.device
     adjusted = logits.to(torch.float32, copy=True)  # [R, S, V]
-    penalty = _penalty(params)
+    penalty = _penalty(params, adjusted[:, 0])  # [R, 1] per row
     if penalty is not None:
         seen = (committed_tokens_seen(batch, rows, vocab_size, device) if committed_seen is None
                 else committed_seen.clone())  # [R, V + 1], column V: absent
@@ -68,7 +76,7 @@ def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray,
 
 
 def apply_tree_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray, token_ids: torch.Tensor,
-                           reach: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+                           reach: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor:
     """The same rules over a tree: slot 0 scores the token after the committed ones, slot i + 1
     the token after node i, which follows its ancestors and itself only. logits: [R, N + 1, V],
     token_ids: [R, N] (PAD_ID beyond a row's nodes), reach: [R, N, N] (sampling.tree_reach) ->
@@ -78,7 +86,7 @@ def apply_tree_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.nda
     adjusted = logits.to(torch.float32, copy=True)  # [R, S, V]
     no_node = torch.zeros_like(reach[:, :1])  # [R, 1, N]: slot 0 follows the root alone
     before_slot = torch.cat([no_node, reach], dim=1)  # [R, S, N]: the nodes each slot's token follows
-    penalty = _penalty(params)
+    penalty = _penalty(params, adjusted)  # [R, 1, 1] per row
     if penalty is not None:
         seen = committed_tokens_seen(batch, rows, vocab_size, device)[:, None, :].repeat(1, num_slots, 1)  # [R, S, V+1]
         index = torch.where(before_slot, token_ids[:, None, :], PAD_ID)  # [R, S, N]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .transfer import to_device_many
+
 
 def is_int_at_least(value, minimum: int) -> bool:
     """Whether ``value`` is an integer (Python or numpy, not a bool) of at least ``minimum``: the
@@ -63,6 +65,78 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+NO_TOP_K = 2**62  # RowSampling.top_k of a row without a top-k cut (exact in float64 too)
+
+
+@dataclass
+class RowSampling:
+    """The sampling parameters of rows that do not all share one SamplingParams (an Engine
+    serving requests that bring their own), one entry per row, as device tensors.
+
+    Rows that share one SamplingParams get that object instead (BatchState.sampling_of), and
+    every rule keeps its uniform path for it. Under a RowSampling, sampling.process_logits
+    gives a greedy row the point mass on its argmax: the sampled rules then accept a draft token
+    exactly when it is the argmax and emit the argmax, which is the greedy rule. Entries that
+    change nothing (no cut, no penalty, temperature 1 on greedy rows) are neutral values, so a
+    row gets bit-for-bit the numbers its own SamplingParams gives. Host flags say which steps
+    any row needs; ``greedy`` (every row greedy) mirrors SamplingParams.greedy.
+    """
+
+    temperature: torch.Tensor  # [R] float32, 1 on greedy rows
+    is_greedy: torch.Tensor  # [R] bool
+    top_k: torch.Tensor  # [R] int64, NO_TOP_K: no cut
+    top_p: torch.Tensor  # [R] float32, inf: no cut
+    penalty: torch.Tensor  # [R] float32, 1: no repetition penalty
+    greedy: bool  # host: every row greedy
+    cuts_top_k: bool  # host: some row cuts to its top k
+    cuts_top_p: bool  # host: some row cuts to its top p
+    penalises: bool  # host: some row has a repetition penalty
+
+    @staticmethod
+    def host_rows(params: SamplingParams) -> tuple[float, float, float, float]:
+        """(temperature, top_k, top_p, penalty) of one request, neutral where it changes nothing:
+        BatchState keeps these per row, ``of`` turns them into tensors."""
+        if params.greedy:
+            return 0.0, float(NO_TOP_K), math.inf, _neutral_penalty(params.repetition_penalty)
+        top_k = float(NO_TOP_K) if params.top_k is None else float(params.top_k)
+        top_p = math.inf if params.top_p is None or params.top_p >= 1.0 else float(params.top_p)
+        return float(params.temperature), top_k, top_p, _neutral_penalty(params.repetition_penalty)
+
+    @classmethod
+    def of(cls, rows: np.ndarray, device) -> "RowSampling":
+        """rows: [R, 4] float64 (host_rows of each row) -> a RowSampling on ``device``, in one
+        host-to-device copy (the float32 values travel as their bits)."""
+        temperature, top_k, top_p, penalty = (rows[:, i] for i in range(4))
+        greedy = temperature == 0.0
+        floats = np.stack([np.where(greedy, 1.0, temperature), top_p, penalty]).astype(np.float32)  # [3, R]
+        float_bits, top_k_t, greedy_t = to_device_many([floats.view(np.int32), top_k.astype(np.int64), greedy],
+                                                       torch.device(device))
+        temperature_t, top_p_t, penalty_t = float_bits.int().view(torch.float32)
+        return cls(temperature=temperature_t, is_greedy=greedy_t.bool(), top_k=top_k_t, top_p=top_p_t,
+                   penalty=penalty_t, greedy=bool(greedy.all()), cuts_top_k=bool((top_k[~greedy] < NO_TOP_K).any()),
+                   cuts_top_p=bool(np.isfinite(top_p[~greedy]).any()), penalises=bool((penalty != 1.0).any()))
+
+    def take(self, index: torch.Tensor) -> "RowSampling":
+        """The rows ``index`` ([R'] device indices) of these; the host flags stay (a superset)."""
+        return RowSampling(temperature=self.temperature[index], is_greedy=self.is_greedy[index],
+                           top_k=self.top_k[index], top_p=self.top_p[index], penalty=self.penalty[index],
+                           greedy=self.greedy, cuts_top_k=self.cuts_top_k, cuts_top_p=self.cuts_top_p,
+                           penalises=self.penalises)
+
+    def per_row(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``values`` [R] shaped to broadcast against ``like`` [R, ...]."""
+        return values.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _neutral_penalty(penalty: float | None) -> float:
+    return 1.0 if penalty is None else float(penalty)
+
+
+def take_rows(sampling: "SamplingParams | RowSampling", index: torch.Tensor) -> "SamplingParams | RowSampling":
+    """The sampling of rows ``index`` of those ``sampling`` describes (a SamplingParams: itself)."""
+    return sampling.take(index) if isinstance(sampling, RowSampling) else sampling
 
 
 @dataclass

@@ -50,7 +50,9 @@ class Drafter(ABC):
         they are: it may write only beyond ``runner.cache.lengths``, which verification overwrites."""
 
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
-        """Prepare for a generate() call (allocate caches). Called once before any propose."""
+        """Prepare for a generate() call (allocate caches). Called once before any propose.
+        sampling: the engine's default; each row's own is ``batch.sampling_of(rows, device)``
+        (a SamplingParams when the rows share one, else a types.RowSampling)."""
 
     def start_rows(self, batch: BatchState, rows: np.ndarray) -> None:
         """Rows ``rows`` ([R] host indices) now hold new requests (an Engine admitted them, or a

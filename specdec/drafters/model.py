@@ -7,7 +7,8 @@ catches every unfinished row up on the committed tokens it has not seen (one pac
 lengths; rows not drafting this step too, so no row falls out of the captured graphs' shapes),
 then runs k - 1 more single-token steps for the asked rows; after the verdict, ``commit`` keeps exactly
 the prefix that the target accepted. Sampling uses the same processed distribution rules as
-the target (sampling.py) with the drafter's own noise stream, and returns the distributions.
+the target (sampling.py), each row with its request's own parameters (BatchState.sampling_of),
+with the drafter's own noise stream, and returns the distributions.
 
 Cost: k forward passes of the small model per step, the first one carrying the catch-up tokens
 (up to MAX_CATCH_UP_PASSES more when the drafter sat out some steps and its graphs take fewer
@@ -30,8 +31,8 @@ from ..runner import (ModelRunner, PackedLayout, TreeLayout, check_supported, de
                       runners_of, vocab_size_of)
 from ..sampling import DETACHED, next_tokens, process_logits
 from ..token_rules import apply_token_rules, committed_tokens_seen, penalises_repeats, rules_active
-from ..types import PAD_ID, Draft, SamplingParams
-from .base import Drafter, trees_and_chains
+from ..types import PAD_ID, Draft, RowSampling, SamplingParams, take_rows
+from .base import Drafter, merge_drafts, trees_and_chains
 from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs, static_shape
 
 
@@ -91,7 +92,6 @@ class ModelDrafter(Drafter):
             self._start(batch, sampling, max_draft_tokens)
 
     def _start(self, batch: BatchState, sampling: SamplingParams, max_draft_tokens: int) -> None:
-        self.sampling = sampling
         group = self._graph_group()
         graph_shape = (group, group * batch.num_rows) if self.cuda_graphs else None
         self.runner_role = _free_drafter_role(self.model, self.role_prefix)
@@ -136,30 +136,31 @@ class ModelDrafter(Drafter):
         device = runner.device
         max_tokens = int(num_tokens.max(initial=0))
         token_ids = torch.full((batch.num_rows, max_tokens), PAD_ID, dtype=torch.int64, device=device)  # [B, K]
-        probs = None
-        if not self.sampling.greedy and max_tokens > 0:
-            probs = torch.zeros(batch.num_rows, max_tokens, runner.vocab_size, device=device)  # [B, K, V]
         rows = np.flatnonzero(num_tokens > 0)
+        sampling = batch.sampling_of(rows, device)  # the asked rows' (a RowSampling when they differ)
+        probs = None
+        if not sampling.greedy and max_tokens > 0:
+            probs = torch.zeros(batch.num_rows, max_tokens, runner.vocab_size, device=device)  # [B, K, V]
         if len(rows) == 0:
             return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
 
         logits = self._catch_up(batch, rows)  # [R, V] next-token logits of the asked rows
 
-        greedy = self.sampling.greedy
-        rules = rules_active(batch, self.sampling)
+        greedy = sampling.greedy
+        rules = rules_active(batch, sampling)
         # the committed tokens do not change within a proposal: one mask of them for every depth
         seen = (committed_tokens_seen(batch, rows, runner.vocab_size, device)
-                if rules and penalises_repeats(self.sampling) else None)
+                if rules and penalises_repeats(sampling) else None)
         rows_t = to_device(rows, device)  # [R]
         for depth in range(max_tokens):
             if rules:  # the target's rules at this position, so that fewer drafts are rejected for them
                 logits = apply_token_rules(logits[:, None], batch, rows, token_ids[rows_t, :depth], depth,
-                                           self.sampling, committed_seen=seen)[:, 0]
+                                           sampling, committed_seen=seen)[:, 0]
             if greedy:  # no randomness: neither seeds nor positions are needed
                 chosen, chosen_probs = logits.argmax(dim=-1), None
             else:
                 positions = to_device(batch.lengths[rows] + depth, device)  # [R]
-                chosen, chosen_probs = next_tokens(logits, self.sampling, self._seeds[rows_t], positions, noise.DRAFT)
+                chosen, chosen_probs = next_tokens(logits, sampling, self._seeds[rows_t], positions, noise.DRAFT)
             token_ids[rows_t, depth] = chosen
             if probs is not None:
                 probs[rows_t, depth] = chosen_probs
@@ -172,6 +173,7 @@ class ModelDrafter(Drafter):
                 kept = to_device(np.flatnonzero(keep), device)
                 chosen, rows_t = chosen[kept], rows_t[kept]
                 seen = None if seen is None else seen[kept]
+                sampling = take_rows(sampling, kept)
             logits = self._feed(batch, chosen, rows, depth)  # [R', V]
         return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
 
@@ -203,12 +205,21 @@ class ModelDrafter(Drafter):
         rows = np.flatnonzero(num_tokens > 0)
         if len(rows) == 0:
             return draft
+        sampling = batch.sampling_of(rows, device)
+        greedy = sampling.greedy
+        sampled = spec.sampled and not greedy
+        if sampled and isinstance(sampling, RowSampling):
+            return self._tree_per_sampling(batch, num_tokens, rows)
         logits = self._catch_up(batch, rows)  # [R, V]
         num_rows, k = len(rows), spec.branching
-        greedy = self.sampling.greedy
-        sampled = spec.sampled and not greedy
-        distribution = ((lambda scores: scores.float().softmax(dim=-1)) if greedy
-                        else (lambda scores: process_logits(scores, self.sampling)))
+
+        def distribution(scores):  # [R, E, V] -> q [R, E, V]: the softmax when greedy (a greedy row's too)
+            if greedy:
+                return scores.float().softmax(dim=-1)
+            q = process_logits(scores, sampling)
+            if isinstance(sampling, RowSampling):
+                q = torch.where(sampling.per_row(sampling.is_greedy, q), scores.float().softmax(dim=-1), q)
+            return q
         rows_t = to_device(rows, device)
         seeds, lengths = self._seeds[rows_t], to_device(batch.lengths[rows], device)  # [R] each
         depth_limit = np.minimum(np.minimum(spec.depth, num_tokens[rows]), np.maximum(batch.remaining[rows] - 1, 1))
@@ -283,6 +294,18 @@ class ModelDrafter(Drafter):
             draft.probs = torch.zeros(batch.num_rows, width, vocab, device=device)
             draft.probs[rows_t] = sibling_draft_probs(parent_q, earlier)
         return draft
+
+    def _tree_per_sampling(self, batch: BatchState, num_tokens: np.ndarray, rows: np.ndarray) -> Draft:
+        """Sampled trees for asked ``rows`` whose sampling parameters differ: the children of a
+        sampled tree are drawn with one SamplingParams for all rows (choose_children, static_shape),
+        so each set of parameters gets a tree proposal of its own (its rows' own, as alone), merged
+        by row. Cost: one tree proposal (depth - 1 passes) per distinct set of parameters."""
+        _, group = np.unique(batch.row_sampling[rows], axis=0, return_inverse=True)
+        owner = np.zeros(batch.num_rows, dtype=np.int64)
+        owner[rows] = group.ravel()
+        asked = num_tokens > 0
+        drafts = [self._propose_tree(batch, np.where(asked & (owner == g), num_tokens, 0)) for g in range(owner.max() + 1)]
+        return merge_drafts(drafts, owner, self.vocab_size)
 
     def _catch_up(self, batch: BatchState, asked: np.ndarray) -> torch.Tensor:
         """Feed every unfinished row the committed tokens its cache lacks (at least the last one

@@ -72,7 +72,6 @@ class SelfSpeculativeDrafter(ModelDrafter):
         if self._runner is None:
             raise RuntimeError("SelfSpeculativeDrafter drafts with the target: pass it to generate(), which "
                                "hands it the target's runner before it starts")
-        self.sampling = sampling
         self._seeds = to_device(batch.seeds, self._runner.device)
 
     def start_rows(self, batch: BatchState, rows: np.ndarray) -> None:

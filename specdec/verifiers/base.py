@@ -22,7 +22,7 @@ from ..batch import BatchState
 from ..runner import ModelRunner, PackedLayout
 from ..sampling import chain_verdict, tree_masks, tree_problems, tree_reach, tree_verdict
 from ..token_rules import apply_token_rules, apply_tree_token_rules, rules_active
-from ..types import PAD_ID, Draft, SamplingParams, Verdict, VerifyCost
+from ..types import PAD_ID, Draft, RowSampling, SamplingParams, Verdict, VerifyCost
 
 
 class Verifier(ABC):
@@ -30,10 +30,13 @@ class Verifier(ABC):
     verifies_trees: bool = False
 
     def verify(
-        self, runner: ModelRunner, batch: BatchState, draft: Draft, sampling: SamplingParams, logprobs: bool = False
+        self, runner: ModelRunner, batch: BatchState, draft: Draft, sampling: SamplingParams | RowSampling,
+        logprobs: bool = False,
     ) -> tuple[Verdict, VerifyCost]:
         """One target pass over every active row's draft -> (verdict, cost); with ``logprobs`` the
-        verdict carries each emitted token's log-probability (sampling.emitted_logprobs)."""
+        verdict carries each emitted token's log-probability (sampling.emitted_logprobs).
+        sampling: one SamplingParams for every row, or a RowSampling over the active rows
+        (``batch.sampling_of(batch.active_rows(), device)``), each row's own."""
         rows = batch.active_rows()  # [A]
         device = runner.device
         num_draft = draft.num_tokens[rows]  # [A]
