@@ -216,3 +216,32 @@ def test_compiled_capture_makes_one_variant_for_every_bucket():
     assert single == [2] and buckets == [2, 4, 8, 16, 32, 64, 128, 256, 512]
     assert one >= 1, "nothing was compiled: the recompile limit may have been reached (Dynamo then runs eagerly)"
     assert every == one, f"{every} Dynamo graphs for {len(buckets)} buckets, {one} for one bucket"
+
+
+def test_requests_with_their_own_sampling_under_graphs():
+    """Greedy, sampled and penalised requests in one graphed engine: each greedy request is the
+    target's greedy output; every request is the same when the whole trace is served again (the
+    per-row parameters are eager tensors beside the captured passes, never captured values)."""
+    from specdec import Engine
+
+    target = make_model("llama", dtype=torch.float32, device="cuda")
+    drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=True)
+    prompts = random_prompts(8, target.config.vocab_size, seed=6)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.2, top_k=7),
+              SamplingParams(repetition_penalty=1.3)]
+
+    def serve():
+        with Engine(target, drafter, policy=FixedPolicy(3), max_rows=3, max_len=64, eos_token_id=[],
+                    **GRAPHS) as engine:
+            ids = [engine.add_request(p, 20, params[i % 4], seed=i) for i, p in enumerate(prompts)]
+            done = {}
+            while engine.has_work():
+                done.update((d.id, d.token_ids) for d in engine.step())
+        return [done[i] for i in ids]
+
+    first = serve()
+    assert first == serve()
+    for i, prompt in enumerate(prompts):
+        if i % 4 == 0:
+            assert first[i] == hf_greedy(target, prompt, 20)
+    assert first[1] != first[5] or prompts[1] != prompts[5]  # sampled rows are not all greedy
