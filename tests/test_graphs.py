@@ -244,4 +244,5 @@ def test_requests_with_their_own_sampling_under_graphs():
     for i, prompt in enumerate(prompts):
         if i % 4 == 0:
             assert first[i] == hf_greedy(target, prompt, 20)
-    assert first[1] != first[5] or prompts[1] != prompts[5]  # sampled rows are not all greedy
+    # the sampled requests did sample (a random tiny model's distributions are flat)
+    assert any(first[i] != hf_greedy(target, prompts[i], 20) for i in (1, 2, 5, 6))
