@@ -27,9 +27,11 @@ class ReplayedRequest:
     timing: RequestTiming  # seconds from the start of the replay
 
 
-def replay(engine: Engine, prompts: list, arrivals, max_new_tokens: int = 128, seeds=None) -> list[ReplayedRequest]:
+def replay(engine: Engine, prompts: list, arrivals, max_new_tokens: int = 128, seeds=None,
+           sampling=None) -> list[ReplayedRequest]:
     """Add ``prompts[i]`` at ``arrivals[i]`` seconds (in order, >= 0) and step the engine until all
-    are done -> one ReplayedRequest per prompt, in order. seeds: one per prompt (default: i)."""
+    are done -> one ReplayedRequest per prompt, in order. seeds: one per prompt (default: i).
+    sampling: one SamplingParams (or None: the engine's) per prompt (default: the engine's)."""
     arrivals = np.asarray(arrivals, dtype=np.float64)
     if arrivals.shape != (len(prompts),):
         raise ValueError(f"give one arrival time per prompt: {len(prompts)} prompts, arrivals of shape {arrivals.shape}")
@@ -38,6 +40,10 @@ def replay(engine: Engine, prompts: list, arrivals, max_new_tokens: int = 128, s
     if max_new_tokens < 1:
         raise ValueError(f"a replayed request must ask for at least one token, got max_new_tokens={max_new_tokens}")
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+    sampling = [None] * len(prompts) if sampling is None else list(sampling)
+    if len(seeds) != len(prompts) or len(sampling) != len(prompts):
+        raise ValueError(f"give one seed and one sampling (or None) per prompt: {len(prompts)} prompts, "
+                         f"{len(seeds)} seeds, {len(sampling)} samplings")
     if engine.has_work():
         raise ValueError("the engine already has requests: replay a trace on an idle engine")
     if engine.tensor_parallel:
@@ -50,7 +56,7 @@ def replay(engine: Engine, prompts: list, arrivals, max_new_tokens: int = 128, s
             elapsed = engine.now() - start
             while next_request < len(prompts) and arrivals[next_request] <= elapsed:
                 ids.append(engine.add_request(prompts[next_request], max_new_tokens=max_new_tokens,
-                                              seed=seeds[next_request]))
+                                              sampling=sampling[next_request], seed=seeds[next_request]))
                 next_request += 1
             if not engine.has_work():  # idle until the next arrival
                 time.sleep(max(0.0, arrivals[next_request] - (engine.now() - start)))
