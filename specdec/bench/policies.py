@@ -1,6 +1,6 @@
-"""``python -m specdec bench --policies``: the adaptive policies (GoodputPolicy per-row,
-uniform and finish, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch
-with the step and the finish objective, and joint)
+"""``python -m specdec bench --policies``: the adaptive policies (GoodputPolicy per-row and
+finish, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch with the
+step and the call objective)
 against every fixed (drafter, length) pair and plain decoding, on copy-heavy, continuation and
 mixed workloads (``specdec.workloads``), at several batch sizes, in one process.
 
@@ -88,8 +88,7 @@ LOOKUP = "prompt lookup"
 # per second (tests/policies/test_bandit.py's simulation). "batch-call" plays one drafter per
 # call, rewarded by the whole call
 BANDIT_VARIANTS = {"ucb": ("ucb", "request", "step"), "epoch": ("epoch", "request", "step"),
-                   "batch-level": ("ucb", "batch", "step"), "batch-finish": ("ucb", "batch", "finish"),
-                   "batch-call": ("ucb", "batch", "call"), "joint": ("ucb", "joint", "step")}
+                   "batch-level": ("ucb", "batch", "step"), "batch-call": ("ucb", "batch", "call")}
 FORMAT = "specdec.bench.policies/1"
 
 
@@ -158,7 +157,7 @@ class PolicyBenchSettings:
 class Method:
     name: str
     family: str  # "plain", "fixed", "goodput", "batch_adaptive", "bandit"
-    variant: str  # "", "per-row", "uniform", "finish", "ucb", "epoch", "batch-level", "batch-finish", "batch-call", "joint"
+    variant: str  # "", "per-row", "finish", "ucb", "epoch", "batch-level", "batch-call"
     drafters: tuple[str, ...]  # given to generate(), in this order
     length: int  # fixed: k; goodput / batch_adaptive: the longest draft; bandit: k
     make: Callable[[str], Policy] = field(repr=False)  # workload name -> a fresh policy
@@ -268,7 +267,7 @@ def methods(settings: PolicyBenchSettings, names: list[str], policy_drafter: str
         for k in sorted(set(settings.lengths) | {settings.bandit_length}):
             found.append(Method(f"fixed {name} k={k}", "fixed", "", (name,), k, lambda w, k=k: FixedPolicy(k)))
     K, every = settings.max_draft_tokens, settings.goodput_decide_every
-    for variant, search in (("per-row", "exact"), ("uniform", "uniform"), ("finish", "finish")):
+    for variant, search in (("per-row", "exact"), ("finish", "finish")):
         found.append(Method(f"GoodputPolicy {variant} ({policy_drafter}, k<={K})", "goodput", variant, (policy_drafter,), K,
                             lambda w, search=search: GoodputPolicy(single, max_draft_tokens=K, search=search,
                                                                    decide_every=every, prior=priors[w])))
@@ -671,16 +670,12 @@ def serve_history(target, policy: Policy, prompts: list[list[int]], batch: int, 
 
 
 def learnt_state(policy: Policy) -> dict:
-    """What a learning policy knows before a pass (JSON): GoodputPolicy's cold-start acceptance
-    and calibration; a batch-scope bandit's pulls and mean rewards per drafter; {} otherwise."""
+    """What a learning policy knows before a pass (JSON): GoodputPolicy's prior and step-time
+    calibration; a batch-scope bandit's pulls and mean rewards per drafter; {} otherwise."""
     if isinstance(policy, GoodputPolicy):
-        state = {"cold_start_rate": policy.cold_start_rate}
-        if policy.search == "finish":
-            state["finish_prior_trials"] = policy.finish_prior_trials
-        if policy.calibration is not None:
-            state["base_scale"] = {str(b): v for b, v in sorted(policy.calibration.base_scale.items())}
-            state["extra_scale"] = {str(b): v for b, v in sorted(policy.calibration.extra_scale.items())}
-        return state
+        return {"prior": policy.prior, "calibrated_steps": policy.calibration.steps_measured,
+                "base_scale": {str(b): v for b, v in sorted(policy.calibration.base_scale.items())},
+                "extra_scale": {str(b): v for b, v in sorted(policy.calibration.extra_scale.items())}}
     if isinstance(policy, BanditPolicy) and policy.scope == "batch" and policy.bandits is not None:
         return {"pulls": policy.bandits.counts[0].tolist(), "mean_reward": policy.bandits.raw_means()[0].tolist()}
     return {}

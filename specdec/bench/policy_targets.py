@@ -34,7 +34,7 @@ def describe(family: str, variant: str, workload: str, relation: str) -> tuple[s
 
 
 # the targets in report order: (family, variant or None for every variant measured, reference)
-TARGET_ORDER = [*(t for v in ("per-row", "uniform", "finish") for t in (("goodput", v, "plain"), ("goodput", v, "best_fixed"))),
+TARGET_ORDER = [*(t for v in ("per-row", "finish") for t in (("goodput", v, "plain"), ("goodput", v, "best_fixed"))),
                 ("batch_adaptive", "", "best_fixed"), ("bandit", None, "best_single")]
 
 
