@@ -15,7 +15,8 @@ table takes, by default (``objective="calls"``, the one static-batch option), th
 highest measured tokens per second of whole calls at b (``table_from_throughput``):
 ``generate()`` runs static batches, which last until their slowest row is done, while the
 per-step formula assumes a batch kept full and so can favour a longer draft than pays per call
-(BENCHMARKS.md §3; docs/experiment-log.md run 5). Each step the policy looks up the number of active
+(at batch 64 on ``copy`` the per-step table chose k = 8 where k = 4 ran 1.22x faster:
+docs/experiment-log.md runs 5 and 6; BENCHMARKS.md §3). Each step the policy looks up the number of active
 rows: the entry of the nearest tabulated batch size on a log scale. With a CostModel, T(b, s)
 is the model's drafter time for b rows drafting s tokens plus its verify time for b rows of
 s + 1 tokens at a stated context length (the paper's known gap: the table ignores how context
@@ -159,9 +160,8 @@ class BatchAdaptivePolicy(Policy):
         rule, b * l(s) / T(b, s) from the measured tau and seconds per step (build_table: a batch
         kept full, as under continuous batching); ``objective="calls"`` (the default, the one
         static-batch option) takes the length of highest measured tokens per second of whole
-        generate() calls (table_from_throughput), which counts a static batch's slowest rows: it
-        measured 1.22x plain decoding at batch 64 (docs/experiment-log.md run 5; BENCHMARKS.md
-        §3). The measurements are kept in ``profile``."""
+        generate() calls (table_from_throughput), which counts a static batch's slowest rows (the
+        module docstring cites the measurement). The measurements are kept in ``profile``."""
         from .batch_profile import measure_round_times  # profiling runs the loop; the policy does not
 
         if objective not in ("calls", "steps"):

@@ -1,7 +1,6 @@
 """Online correction of GoodputPolicy's step-time model by measured step wall times, always on:
-with it, GoodputPolicy went from 0.83 / 0.84 of the best fixed length to 1.05 / 1.02 on the two
-cells where the profiled model under-predicted what drafting costs at large batch
-(docs/experiment-log.md runs 21 and 22; BENCHMARKS.md §3).
+with it, GoodputPolicy ("finish") went from 0.83 / 0.84 of the best fixed length to 1.05 / 1.02
+at ``copy`` / ``continuation`` batch 64 (docs/experiment-log.md runs 21 and 22; BENCHMARKS.md §3).
 
 Invariant: scales are positive; with no measurement the calibrated model is the model.
 """
