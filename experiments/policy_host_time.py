@@ -2,11 +2,11 @@
 
 Simulated static batches (specdec.policies.simulate_call) at batch sizes 1, 4, 16 and 64, with
 GoodputPolicy(search=..., decide_every=16, max_draft_tokens=8, prior=0.84) for the searches
-"finish", "exact" and "uniform". The step time the simulation reports is the cost model's
+"finish" and "exact". The step time the simulation reports is the cost model's
 prediction, with drafting DRAFT_SCALE times dearer than modelled and seeded log-normal noise, so
 the policy's calibration (_calibrate: speed, shape, plain probes) has something to correct; each
-policy serves CALLS calls in a row, so its state across calls (LearnedPrior, RowRateSpread, the
-calibration) is exercised too. Step records carry the drafter's host time (drafter_wall_s) as
+policy serves CALLS calls in a row, so its state across calls (the calibration) is exercised
+too. Step records carry the drafter's host time (drafter_wall_s) as
 generate()'s do, and no plan time (it would make the decisions depend on the timing).
 
 Printed per (search, batch size): ms of plan() per step (summed over the seeds' calls, divided by
@@ -39,7 +39,7 @@ from specdec.policies import CostModel, GoodputPolicy, simulate_call
 DEFAULT_RESULT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "policies_h200_run23.json"
 POLICY_DRAFTER = "drafter-4L-narrow"
 BATCH_SIZES = (1, 4, 16, 64)
-SEARCHES = ("finish", "exact", "uniform")
+SEARCHES = ("finish", "exact")
 CALLS = 3  # calls served by each policy, one after the other
 MAX_NEW_TOKENS = 128
 DRAFT_SCALE = 1.3  # what drafting really costs against the model's prediction
@@ -98,9 +98,9 @@ class TimedPolicy:
 
 
 def calibration_bytes(policy: GoodputPolicy) -> bytes:
-    """The calibration's scales and catch-up price, in a fixed order."""
+    """The calibration's scales, in a fixed order."""
     calibration = policy.calibration
-    values = [calibration.catch_up_s]
+    values = []
     for scales in (calibration.base_scale, calibration.extra_scale):
         values += [x for bucket in sorted(scales) for x in (bucket, scales[bucket])]
     return np.array(values, dtype=np.float64).tobytes()

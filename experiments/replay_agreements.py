@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from specdec import zoo
-from specdec.workloads import STANDARD, WorkloadGenerator
+from benchmarks.policies.workloads import STANDARD, WorkloadGenerator
 
 
 def record_agreements(count: int, cache: Path, new_tokens: int = 128, names: Sequence[str] = tuple(STANDARD)) -> dict:

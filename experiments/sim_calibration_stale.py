@@ -23,7 +23,8 @@ import sys
 import numpy as np
 
 from specdec.policies import CostModel, FixedPolicy, GoodputPolicy
-from specdec.policies.goodput import LinearStepTime, StepTimeCalibration, row_bucket
+from specdec.policies.calibration import StepTimeCalibration
+from specdec.policies.step_time import LinearStepTime, row_bucket
 from specdec.policies.simulate import simulate_call
 
 r = json.load(open("benchmarks/results/policies_h100_run21.json"))
@@ -74,7 +75,7 @@ class WholeStep(Residual):
                 if bucket in self.base_scale:
                     self.extra_scale[bucket] = self.base_scale[bucket]
 
-    def idle(self, num_rows, forget_after, steps=1):
+    def idle(self, num_rows, steps=1):
         pass  # plain steps measure the same scale: nothing to forget
 
 

@@ -16,7 +16,7 @@ of 16 as history, then 2 measured calls of 16 (the same for every policy), 8 see
 
 Printed: tokens/s of fixed k against plain, then each policy as a fraction of the best fixed k with its mean
 draft. Arguments: requests per workload (default 64: 32 history + 32 measured), the cases (quiet,noisy), and
-"probes" for knobs of "finish" and "uniform" besides the library's defaults. The agreements are cached in
+"probes" for knobs of "finish" besides the library's defaults. The agreements are cached in
 /tmp by the count. About 10 minutes to record on 2 CPU cores with the `cpu` zoo built, then a few minutes.
 """
 import json
@@ -94,16 +94,11 @@ def run(make, history, measured, seed, table, noise):
 def policies() -> dict:
     def goodput(**options):
         return lambda prior: GoodputPolicy(MODEL, max_draft_tokens=8, decide_every=16, prior=prior, **options)
-    found = {"finish": goodput(search="finish"), "uniform": goodput(search="uniform"), "exact (per-row)": goodput(search="exact")}
-    if len(sys.argv) > 3 and sys.argv[3] == "probes":  # knobs of "finish" and "uniform", none of them the library's defaults
+    found = {"finish": goodput(search="finish"), "exact (per-row)": goodput(search="exact")}
+    if len(sys.argv) > 3 and sys.argv[3] == "probes":  # knobs of "finish", none of them the library's defaults
         found.update({
             "finish min_gain 0": goodput(search="finish", min_gain=0.0),
-            "finish posterior means": goodput(search="finish", finish_rate_samples=1),
-            "finish no calibration": goodput(search="finish", calibrate=False),
-            "finish means, min_gain 0": goodput(search="finish", finish_rate_samples=1, min_gain=0.0),
             "finish min_gain 0.03": goodput(search="finish", min_gain=0.03),
-            "uniform no calibration": goodput(search="uniform", calibrate=False),
-            "uniform min_gain 0": goodput(search="uniform", min_gain=0.0),
         })
     return found
 

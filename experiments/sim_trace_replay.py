@@ -104,8 +104,6 @@ def main():
         "finish": lambda prior: GoodputPolicy(MODEL, max_draft_tokens=8, search="finish", decide_every=16, prior=prior),
         "finish min_gain 0": lambda prior: GoodputPolicy(MODEL, max_draft_tokens=8, search="finish", decide_every=16,
                                                          prior=prior, min_gain=0.0),
-        "finish no calibration": lambda prior: GoodputPolicy(MODEL, max_draft_tokens=8, search="finish", decide_every=16,
-                                                             prior=prior, calibrate=False),
         "exact (per-row)": lambda prior: GoodputPolicy(MODEL, max_draft_tokens=8, search="exact", decide_every=16, prior=prior),
     }
     seeds = range(6)

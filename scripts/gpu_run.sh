@@ -15,7 +15,8 @@
 #             k $KS (default 2,3,4,5,6); more options in $LONG_ARGS
 #   serve     python -m specdec serve-bench on the gpu zoo: request latency against request rate on the Engine,
 #             plain decoding, k = 1/3/5 and GoodputPolicy (options in $SERVE_ARGS, e.g. "--loads 0.1,0.5,0.9")
-#   policies  python -m specdec bench --policies --batch-sizes $BATCH_SIZES (default 16) with $POLICY_ARGS
+#   policies  python -m benchmarks.policies (from the repository root) --batch-sizes $BATCH_SIZES (default 16)
+#             with $POLICY_ARGS
 #   demo      python -m specdec demo --preset gpu --device cuda
 # The gpu zoo is built first when a part needs it (~3 min). Everything is written under a work
 # folder and packed into $OUT/results.tgz after each part (the device returns at most 8 files);
@@ -57,9 +58,9 @@ if has long; then
 fi
 has serve && { timeout ${SERVE_TIMEOUT:-540} python3 -m specdec serve-bench --preset gpu --device cuda ${SERVE_ARGS:-} \
   --out "$WORK" 2>&1 | tee "$WORK/serve.log" | quiet | tail -60; pack; }
-has policies && { python3 -m specdec bench --policies --preset gpu --device cuda --batch-sizes "${BATCH_SIZES:-16}" \
+has policies && { (cd "$(dirname "$0")/.." && python3 -m benchmarks.policies --preset gpu --device cuda --batch-sizes "${BATCH_SIZES:-16}" \
   ${POLICY_ARGS:---num-prompts 16 --history-prompts 8 --pass-calls 2 --repeats 3 --time-limit-s 300} \
-  --name "policies_$TAG" --out "$WORK" 2>&1 | tee "$WORK/policies.log" | quiet | tail -30; pack; }
+  --name "policies_$TAG" --out "$WORK") 2>&1 | tee "$WORK/policies.log" | quiet | tail -30; pack; }
 has demo && { python3 -m specdec demo --preset gpu --device cuda --json "$WORK/demo_gpu.json" 2>&1 \
   | tee "$WORK/demo_gpu.log" | quiet; pack; }
 exit 0

@@ -2,7 +2,6 @@
 
     python -m specdec demo [--preset cpu|gpu] [--device cuda] [--json FILE] [--prompts FILE]
     python -m specdec bench [--quick] [--parts zoo,bandwidth,trees] [--preset gpu] [--out benchmarks/results]
-    python -m specdec bench --policies [--quick] [--preset gpu] [--time-limit-s S] [--out benchmarks/results]
     python -m specdec bench --long-context [--contexts 1024,4096,16384] [--batch-sizes 1,16,64] [--ks 2,3,4,5,6]
     python -m specdec serve-bench [--preset gpu] [--loads 0.1,0.5,0.9] [--methods plain,k1,k3,k5,goodput]
     python -m specdec zoo build --preset cpu|gpu|gpu-long|tiny [--out DIR] [--force]
@@ -13,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+POLICIES_MOVED = ("`python -m specdec bench --policies` has moved out of the installed package: from the repository "
+                  "root, run `python -m benchmarks.policies` with the same options (--help lists them)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,9 +49,6 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed passes of each of our methods (the median)")
     bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and PNG")
     bench.add_argument("--zoo-dir")
-    bench.add_argument("--policies", action="store_true",
-                       help="adaptive policies against fixed drafter/length pairs on mixed workloads instead "
-                            "(own options: python -m specdec bench --policies --help)")
     bench.add_argument("--long-context", action="store_true",
                        help="sparse drafters (MagicDec, SPIRe) against plain decoding and a small drafter at long "
                             "contexts instead (own options: python -m specdec bench --long-context --help)")
@@ -106,10 +105,9 @@ def _bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and "--policies" in argv:  # its own options: specdec/bench/policies.py
-        from .bench.policies import main as policies_main
-
-        return policies_main([a for a in argv[1:] if a != "--policies"])
+    if argv[:1] == ["bench"] and "--policies" in argv:
+        print(POLICIES_MOVED, file=sys.stderr)
+        return 2
     if argv[:1] == ["serve-bench"]:  # its own options: specdec/bench/serve.py
         from .bench.serve import main as serve_main
 

@@ -264,7 +264,7 @@ def test_a_drafter_drafting_for_an_open_engine_is_refused_elsewhere(target):
 
 
 def test_learning_policies_start_a_refilled_rows_request_afresh_and_stay_exact(target):
-    """GoodputPolicy: the new request's acceptance estimate is the prior again; BanditPolicy
+    """GoodputPolicy: the new request's acceptance estimate is the population's again; BanditPolicy
     (request scope): its bandit has no pulls of the last request's."""
     from specdec.policies import BanditPolicy, GoodputPolicy
     from specdec.policies.cost_model import CostModel
@@ -272,7 +272,7 @@ def test_learning_policies_start_a_refilled_rows_request_afresh_and_stay_exact(t
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.02, drafters=[{"tokens": 0.05}, {"tokens": 0.01}])
     prompts = random_prompts(4, VOCAB, seed=81, min_len=3)
     drafters = [ModelDrafter(perturbed_copy(target, 0.1)), ModelDrafter(perturbed_copy(target, 0.4, seed=2))]
-    for policy in (GoodputPolicy(model, max_draft_tokens=3, calibrate=False), BanditPolicy(num_draft_tokens=3)):
+    for policy in (GoodputPolicy(model, max_draft_tokens=3), BanditPolicy(num_draft_tokens=3)):
         with Engine(target, drafters, policy=policy, max_rows=1, max_len=64, eos_token_id=[]) as engine:
             engine.add_request(prompts[0], max_new_tokens=40)
             while engine.has_work():
@@ -286,7 +286,7 @@ def test_learning_policies_start_a_refilled_rows_request_afresh_and_stay_exact(t
                 engine.add_request(prompt, max_new_tokens=10)
                 engine.admit()  # admitted, not yet stepped
                 if isinstance(policy, GoodputPolicy):  # and nothing of the last request is left to learn
-                    assert policy.estimator.rate(0)[0] == pytest.approx(policy.cold_start_rate)
+                    assert policy.estimator.rate(0)[0] == pytest.approx(policy.population_rate)
                     assert not policy._records
                 else:  # the population's warm start, a few pseudo-pulls, not the last request's pulls
                     warm = np.minimum(policy.population.counts[0], policy.warm_start)
@@ -294,6 +294,40 @@ def test_learning_policies_start_a_refilled_rows_request_afresh_and_stay_exact(t
                 while engine.has_work():
                     outputs += [done.token_ids for done in engine.step()]
         assert outputs == [hf_greedy(target, p, 10) for p in prompts[1:]]
+
+
+def test_goodput_starts_a_refilled_row_at_the_pooled_acceptance_of_the_rows_so_far(target):
+    """Two rows; when the shorter request ends, a new one takes its row. Its acceptance estimate
+    starts at the accepted / judged draft tokens of every step of both rows so far (counted here
+    from the step records: a rejected draft token is judged, the tokens after it are not, and a
+    step cut short by the budget judges none beyond those accepted), not at the prior."""
+    from specdec.policies import GoodputPolicy
+    from specdec.policies.cost_model import CostModel
+
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.02, drafters=[{"tokens": 0.001}])  # drafting pays
+    prior = 0.2
+    policy = GoodputPolicy(model, max_draft_tokens=3, prior=prior, min_gain=0.0)
+    records, observe = [], policy.observe
+    policy.observe = lambda record: (records.append(record), observe(record))
+    prompts = random_prompts(3, VOCAB, seed=83, min_len=3)
+    with Engine(target, drafter_of("model", target), policy=policy, max_rows=2, max_len=80, eos_token_id=[]) as engine:
+        engine.add_request(prompts[0], max_new_tokens=40)
+        engine.add_request(prompts[1], max_new_tokens=12)
+        while len(engine.step()) == 0:
+            pass
+        accepted = judged = 0
+        for record in records:
+            for row in record.rows:
+                drafted, emitted = int(record.num_drafted[row]), int(record.num_emitted[row])
+                taken = min(int(record.num_accepted[row]), drafted)
+                accepted += taken
+                judged += taken + int(taken < drafted and emitted > taken)
+        assert judged > 0 and abs(accepted / judged - prior) > 0.1
+        engine.add_request(prompts[2], max_new_tokens=10)
+        engine.admit()
+        rates = policy.estimator.rate(0)
+        assert min(abs(rates - accepted / judged)) < 1e-9, (rates, accepted / judged)
+        assert policy.population_rate == pytest.approx(accepted / judged)
 
 
 def test_each_request_stops_at_its_own_eos_and_min_new_tokens_blocks_only_its_own(target):

@@ -89,3 +89,26 @@ def test_no_import_cycle_inside_specdec():
     cycle = find_cycle(graph)
     if cycle:
         pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+LOOP = {"specdec.generate", "specdec.engine", "specdec.runner", "specdec.replay"}
+PROFILING = {"specdec.policies.profiling", "specdec.policies.batch_profile"}  # profiling runs the loop
+
+
+def test_the_policies_do_not_import_the_loop():
+    """DESIGN.md: measurement helpers (profiling, cost-model fits) may import the decoding loop,
+    the policies may not. Every module of specdec.policies but the profiling ones and the
+    package's __init__ reaches no loop module, following imports but not through the profiling
+    modules."""
+    known = modules()
+    graph = {name: imported_modules(path, known) for name, path in known.items()}
+    policies = [n for n in known if n.startswith("specdec.policies.") and n not in PROFILING]
+    assert "specdec.policies.goodput" in policies and "specdec.policies.bandit" in policies
+    for name in policies:
+        seen, todo = set(), [name]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                if nxt not in PROFILING:
+                    todo.append(nxt)
+        assert not seen & LOOP, (name, sorted(seen & LOOP))

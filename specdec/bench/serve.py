@@ -38,7 +38,7 @@ from .. import Engine, generate
 from ..drafters import ModelDrafter
 from ..load import poisson_arrivals, summarize
 from ..policies import FixedPolicy, GoodputPolicy
-from ..policies.cost_model import ProfileGrid, profile
+from ..policies.profiling import ProfileGrid, profile
 from ..replay import replay
 from ..zoo import build, load
 from ..zoo.prompts import heldout_prompts

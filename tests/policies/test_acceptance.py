@@ -1,5 +1,5 @@
-"""Acceptance estimates: the expected-tokens formulas (table tests) and the online estimators'
-updates from StepRecords (EMA 0.85/0.15 and window), with censoring and coverage."""
+"""Acceptance estimates: the expected-tokens formulas (table tests) and the online estimator's
+updates from StepRecords (EMA 0.85/0.15), with censoring, coverage and relaxation."""
 
 from __future__ import annotations
 
@@ -60,49 +60,14 @@ def test_marginal_gains_never_increase():
     assert np.all(np.diff(marginal_gains(rates), axis=1) <= 0)
 
 
-def test_ema_update_per_position_and_pooled():
-    est = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=4, prior=0.5)
-    # row 0 drafted 3, accepted 1: success at 0, failure at 1, 2 and 3 unobserved
-    # row 1 drafted 2, accepted 2: successes at 0 and 1, nothing rejected
-    est.update(record(drafted=[3, 2], accepted=[1, 2]))
-    positions = est.position_rates(0)
-    assert np.allclose(positions[0], [0.85 * 0.5 + 0.15, 0.85 * 0.5, 0.5, 0.5])
-    assert np.allclose(positions[1], [0.85 * 0.5 + 0.15, 0.85 * 0.5 + 0.15, 0.5, 0.5])
-    assert np.allclose(est.rate(0), [0.85 * 0.5 + 0.15 * 0.5, 0.85 * 0.5 + 0.15 * 1.0])
-
-
-def test_pooled_only_estimator_matches_the_full_one():
-    """positions=False keeps the same pooled rate and coverage as the full EMA estimator (random
-    steps with rejections, censored steps, unasked rows and relaxation), and reads positions as
-    the pooled rate repeated."""
-    generator = np.random.default_rng(3)
-    full = AcceptanceEstimator(num_rows=6, num_drafters=2, max_draft_tokens=5, prior=[0.6, 0.3])
-    pooled = AcceptanceEstimator(num_rows=6, num_drafters=2, max_draft_tokens=5, prior=[0.6, 0.3], positions=False)
-    for _ in range(40):
-        asked = generator.integers(0, 6, size=6)
-        drafted = np.where(generator.random(6) < 0.8, asked, 0)  # sometimes nothing proposed
-        accepted = np.array([generator.integers(0, d + 1) for d in drafted])
-        emitted = np.where(generator.random(6) < 0.1, accepted, accepted + 1)  # some cut short
-        step = record(drafted, accepted, emitted, drafter=generator.integers(0, 2, size=6),
-                      rows=np.flatnonzero(generator.random(6) < 0.9))
-        for estimator in (full, pooled):
-            estimator.update(step, asked=asked)
-            estimator.relax(np.array([0, 3]), 1, 0.05)
-    for d in (0, 1):
-        assert np.allclose(pooled.rate(d), full.rate(d)) and np.allclose(pooled.coverage(d), full.coverage(d))
-        assert np.array_equal(pooled.observed, full.observed)
-        assert np.allclose(pooled.position_rates(d), np.repeat(full.rate(d)[:, None], 5, axis=1))
-    assert not np.allclose(full.position_rates(0), pooled.position_rates(0))  # the full one differs by position
-
-
 def test_counts_of_one_step_learn_exactly_what_the_step_update_learns():
     """StepCounts + update_counts, one step at a time, equals update step by step; several steps
     that each observe the same thing equal as many step updates (weight 1 - 0.85^n)."""
     from specdec.policies.acceptance import StepCounts
 
     generator = np.random.default_rng(5)
-    by_step = AcceptanceEstimator(num_rows=5, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
-    by_counts = AcceptanceEstimator(num_rows=5, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
+    by_step = AcceptanceEstimator(num_rows=5, num_drafters=1, prior=0.6)
+    by_counts = AcceptanceEstimator(num_rows=5, num_drafters=1, prior=0.6)
     for _ in range(30):
         asked = generator.integers(0, 5, size=5)
         drafted = np.where(generator.random(5) < 0.8, asked, 0)
@@ -111,58 +76,42 @@ def test_counts_of_one_step_learn_exactly_what_the_step_update_learns():
         step = record(drafted, accepted, emitted, rows=np.flatnonzero(generator.random(5) < 0.9))
         by_step.update(step, asked=asked)
         counts = StepCounts(5)
-        counts.add(step, asked)
+        counts.add_steps([step], asked)
         by_counts.update_counts(counts, 0)
         assert np.allclose(by_counts.rate(0), by_step.rate(0)) and np.allclose(by_counts.coverage(0), by_step.coverage(0))
     same, counts = record(drafted=[4, 2], accepted=[1, 2]), StepCounts(2)
     for _ in range(3):
-        counts.add(same, np.array([4, 2]))
-    steps = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
-    at_once = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=4, prior=0.6, positions=False)
+        counts.add_steps([same], np.array([4, 2]))
+    steps = AcceptanceEstimator(num_rows=2, num_drafters=1, prior=0.6)
+    at_once = AcceptanceEstimator(num_rows=2, num_drafters=1, prior=0.6)
     for _ in range(3):
         steps.update(same, asked=np.array([4, 2]))
     at_once.update_counts(counts, 0)
     assert np.allclose(at_once.rate(0), steps.rate(0)) and not np.allclose(at_once.rate(0), 0.6)
-    with pytest.raises(ValueError, match="positions=False"):
-        AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=4).update_counts(counts, 0)
 
 
 def test_censored_step_records_no_rejection():
     """EOS inside the draft: emitted == accepted, so the unaccepted tail was never judged."""
-    est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=4, prior=0.5)
+    est = AcceptanceEstimator(num_rows=1, num_drafters=1, prior=0.5)
     est.update(record(drafted=[4], accepted=[2], emitted=[2]))
-    assert np.allclose(est.position_rates(0)[0], [0.575, 0.575, 0.5, 0.5])
     assert est.rate(0)[0] == pytest.approx(0.575)
 
 
 def test_per_drafter_priors_and_separate_estimates():
-    est = AcceptanceEstimator(num_rows=2, num_drafters=2, max_draft_tokens=2, prior=[0.9, 0.2])
+    est = AcceptanceEstimator(num_rows=2, num_drafters=2, prior=[0.9, 0.2])
     est.update(record(drafted=[2, 2], accepted=[0, 2], drafter=[0, 1]))
     assert np.allclose(est.rate(0), [0.85 * 0.9, 0.9])  # row 1 never used drafter 0
     assert np.allclose(est.rate(1), [0.2, 0.85 * 0.2 + 0.15])
-    assert np.allclose(est.rate([0, 1]), [0.85 * 0.9, 0.85 * 0.2 + 0.15])
 
 
 def test_rows_that_took_no_part_are_left_alone():
-    est = AcceptanceEstimator(num_rows=3, num_drafters=1, max_draft_tokens=2)
+    est = AcceptanceEstimator(num_rows=3, num_drafters=1)
     est.update(record(drafted=[2, 2, 2], accepted=[0, 0, 0], rows=[1]))
     assert np.allclose(est.rate(0), [0.5, 0.85 * 0.5, 0.5])
 
 
-def test_window_counts_the_last_steps_only():
-    est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=3, mode="window", window=3, prior=0.5)
-    assert est.rate(0)[0] == 0.5
-    for accepted in (0, 0, 3, 3, 3):  # the first two fall out of the window
-        est.update(record(drafted=[3], accepted=[accepted]))
-    assert est.rate(0)[0] == 1.0
-    assert np.allclose(est.position_rates(0)[0], 1.0)
-    est.update(record(drafted=[3], accepted=[1]))  # window: 3 of 3, 3 of 3, 1 of 2 trials
-    assert est.rate(0)[0] == pytest.approx(7 / 8)
-    assert np.allclose(est.position_rates(0)[0], [1.0, 2 / 3, 1.0])
-
-
 def test_relax_moves_ema_estimates_back_to_the_prior_for_the_given_rows_only():
-    est = AcceptanceEstimator(num_rows=2, num_drafters=2, max_draft_tokens=2, prior=[0.8, 0.5])
+    est = AcceptanceEstimator(num_rows=2, num_drafters=2, prior=[0.8, 0.5])
     for _ in range(10):
         est.update(record(drafted=[2, 2], accepted=[0, 0]))
     low = est.rate(0).copy()
@@ -173,46 +122,20 @@ def test_relax_moves_ema_estimates_back_to_the_prior_for_the_given_rows_only():
     assert est.rate(1)[0] == 0.5  # drafter 1 untouched (still its prior)
     for _ in range(200):
         est.relax(np.array([0]), drafter_index=0, weight=0.5)
-    assert est.rate(0)[0] == pytest.approx(0.8) and np.allclose(est.position_rates(0)[0], 0.8)
-
-
-def test_relax_forgets_the_oldest_window_entries():
-    est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=2, mode="window", window=4, prior=0.5)
-    for accepted in (0, 0, 2, 2):
-        est.update(record(drafted=[2], accepted=[accepted]))
-    assert est.rate(0)[0] == pytest.approx(4 / 6)  # 0/1, 0/1, 2/2, 2/2
-    est.relax(np.array([0]), 0, weight=0.5)  # forgets the two oldest entries: the rejections
-    assert est.rate(0)[0] == 1.0
-    est.relax(np.array([0]), 0, weight=0.5)
-    assert est.rate(0)[0] == 0.5  # empty window: the prior
-    est.update(record(drafted=[2], accepted=[1]))  # writing resumes after the forgotten entries
-    assert est.rate(0)[0] == pytest.approx(1 / 2)
-
-
-def test_relax_forgets_the_oldest_entries_of_a_window_not_yet_full():
-    est = AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=2, mode="window", window=100, prior=0.8)
-    for accepted in (0, 0, 2):  # 0/1, 0/1, 2/2: three entries of a window of 100
-        est.update(record(drafted=[2], accepted=[accepted]))
-    assert est.rate(0)[0] == pytest.approx(2 / 4)
-    est.relax(np.array([0]), 0, weight=0.01)  # one entry: the oldest rejection
-    assert est.rate(0)[0] == pytest.approx(2 / 3)
-    est.relax(np.array([0]), 0, weight=0.01)
-    assert est.rate(0)[0] == 1.0  # only the newest entry is left
-    est.relax(np.array([0]), 0, weight=0.5)  # more than it holds: all of them
-    assert est.rate(0)[0] == 0.8
-    est.update(record(drafted=[2], accepted=[0]))
-    assert est.rate(0)[0] == 0.0
+    assert est.rate(0)[0] == pytest.approx(0.8)
+    est.relax(np.array([1]), drafter_index=0, weight=1.0, target=0.3)  # to another rate: there at once
+    assert est.rate(0)[1] == pytest.approx(0.3) and est.rate(0)[0] == pytest.approx(0.8)
 
 
 def test_coverage_discounts_expected_tokens():
-    est = AcceptanceEstimator(num_rows=2, num_drafters=1, max_draft_tokens=3, prior=1.0)
+    est = AcceptanceEstimator(num_rows=2, num_drafters=1, prior=1.0)
     asked = np.array([3, 3])
     est.update(record(drafted=[0, 3], accepted=[0, 3]), asked=asked)  # row 0 found no match
     assert np.allclose(est.coverage(0), [0.85, 1.0])
     assert np.allclose(est.expected_emitted(0, 3), [1 + 0.85 * 3, 4.0])
 
 
-@pytest.mark.parametrize("kwargs", [{"mode": "median"}, {"prior": 1.5}, {"window": 0}, {"prior": [0.5, 0.5]}])
+@pytest.mark.parametrize("kwargs", [{"old_weight": 1.0}, {"prior": 1.5}, {"num_drafters": 0}, {"prior": [0.5, 0.5]}])
 def test_bad_estimator_options(kwargs):
     with pytest.raises(ValueError):
-        AcceptanceEstimator(num_rows=1, num_drafters=1, max_draft_tokens=2, **kwargs)
+        AcceptanceEstimator(**{"num_rows": 1, "num_drafters": 1, **kwargs})

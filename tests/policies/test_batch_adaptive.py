@@ -132,7 +132,7 @@ def test_the_table_from_measurements_is_the_measured_argmax(objective):
     drafter = ModelDrafter(perturbed_copy(target, 0.05))
     prompts = random_prompts(4, target.config.vocab_size, seed=3)
     policy = BatchAdaptivePolicy.from_measurements(target, drafter, prompts, batch_sizes=(1, 4), draft_lengths=(0, 2, 4),
-                                                   max_new_tokens=8, objective=objective, monotone=False)
+                                                   max_new_tokens=8, objective=objective)
     expected, seconds = policy.profile["expected_tokens"], policy.profile["seconds_per_step"]
     assert set(expected) == {0, 2, 4} and expected[0] == 1.0 and expected[4] > 1.0
     assert policy.profile["objective"] == objective
@@ -153,10 +153,8 @@ def test_the_table_from_call_throughput_counts_the_slowest_row(monkeypatch):
     the "steps" table the longer; at batch 1 (no other rows to wait for) both agree."""
     import sys
 
-    from specdec.policies.batch_adaptive import (
-        measure_round_times,
-        table_from_throughput,
-    )
+    from specdec.policies.batch_adaptive import table_from_throughput
+    from specdec.policies.batch_profile import measure_round_times
 
     def fake_generate(target, prompts, drafter=None, policy=None, max_new_tokens=0, **_):
         s = policy.num_draft_tokens
@@ -191,7 +189,7 @@ def test_measured_rounds_at_batch_1_cover_every_prompt():
     from specdec import generate
     from specdec.drafters import ModelDrafter
     from specdec.policies import FixedPolicy
-    from specdec.policies.batch_adaptive import measure_round_times
+    from specdec.policies.batch_profile import measure_round_times
     from tests.tiny import make_model, perturbed_copy, random_prompts
 
     target = make_model("llama", dtype=torch.float32)
@@ -210,7 +208,7 @@ def test_measured_rounds_repeat_in_turn_and_take_the_median(monkeypatch):
     length's seconds per step is the median of its rounds, so one slow round does not move it."""
     import sys
 
-    from specdec.policies.batch_adaptive import measure_round_times
+    from specdec.policies.batch_profile import measure_round_times
 
     order, slow = [], {(2, 1): 5.0}  # (length, round) -> seconds per step of that round
     per_step = {0: 1.0, 2: 1.5}
@@ -265,7 +263,7 @@ def test_a_profile_round_without_steps_is_refused(monkeypatch):
     time or throughput: a clear error, not a division by zero."""
     import sys
 
-    from specdec.policies.batch_adaptive import measure_round_times
+    from specdec.policies.batch_profile import measure_round_times
 
     def no_steps(target, prompts, drafter=None, policy=None, max_new_tokens=0, **_):
         requests = [SimpleNamespace(emitted=0, steps=0) for _ in prompts]
@@ -276,75 +274,13 @@ def test_a_profile_round_without_steps_is_refused(monkeypatch):
         measure_round_times(None, object(), [[1, 2]], batch_sizes=(1,), draft_lengths=(0,), max_new_tokens=4)
 
 
-def brute_force_monotone(tokens_per_s):
-    """Every assignment of lengths to batch sizes that never grows with the batch size: the one
-    of highest summed relative throughput (random throughputs leave no exact ties to break)."""
-    import itertools
-
-    sizes = sorted({b for b, _ in tokens_per_s})
-    lengths = sorted({s for _, s in tokens_per_s})
-    best_of = {b: max(v for (bb, _), v in tokens_per_s.items() if bb == b) for b in sizes}
-    best, chosen = -np.inf, None
-    for choice in itertools.product(lengths, repeat=len(sizes)):
-        if any(later > earlier for earlier, later in zip(choice, choice[1:])):
-            continue
-        if any((b, s) not in tokens_per_s for b, s in zip(sizes, choice)):
-            continue
-        total = sum(tokens_per_s[(b, s)] / best_of[b] for b, s in zip(sizes, choice))
-        if total > best + 1e-12:
-            best, chosen = total, choice
-    return dict(zip(sizes, chosen)), best
-
-
-@pytest.mark.parametrize("seed", range(30))
-def test_monotone_table_equals_brute_force_on_random_profiles(seed):
-    """The dynamic programme's table never lengthens drafts as the batch grows and reaches the
-    brute-force optimum of summed relative throughput; where the per-size argmax already
-    shortens with the batch, it is the argmax."""
-    from specdec.policies.batch_adaptive import monotone_table, table_from_throughput
-
-    rng = np.random.default_rng(seed)
-    sizes, lengths = [1, 4, 16, 64][: rng.integers(1, 5)], [0, 1, 2, 4, 6, 8]
-    tokens_per_s = {(b, s): float(rng.uniform(0.5, 2.0)) for b in sizes for s in lengths if rng.random() > 0.1 or s == 0}
-    table = monotone_table(tokens_per_s)
-    expected, best = brute_force_monotone(tokens_per_s)
-    best_of = {b: max(v for (bb, _), v in tokens_per_s.items() if bb == b) for b in sizes}
-    assert sum(tokens_per_s[(b, s)] / best_of[b] for b, s in table.items()) == pytest.approx(best)
-    assert table == expected
-    assert all(table[a] >= table[b] for a, b in zip(sizes, sizes[1:]))
-    argmax = table_from_throughput(tokens_per_s)
-    if all(argmax[a] >= argmax[b] for a, b in zip(sizes, sizes[1:])):
-        assert table == argmax
-
-
-def test_monotone_table_outvotes_one_odd_measurement():
-    """Run 10's continuation profile, in shape: k = 4 best at batch 4 and 64, plain decoding 2%
-    ahead of k = 4 at 16. The argmax table drafts at 4 and 64 and not at 16; the monotone one
-    drafts 4 at every size (keeping k = 0 at 16 would cost 64 its 14% from drafting)."""
-    from specdec.policies.batch_adaptive import monotone_table, table_from_throughput
-
-    tokens_per_s = {(4, 0): 1.0, (4, 4): 1.5, (16, 0): 1.30, (16, 4): 1.27, (64, 0): 1.0, (64, 4): 1.14}
-    assert table_from_throughput(tokens_per_s) == {4: 4, 16: 0, 64: 4}
-    assert monotone_table(tokens_per_s) == {4: 4, 16: 4, 64: 4}
-    assert monotone_table({(1, 0): 1.0, (1, 8): 2.0, (64, 0): 1.0, (64, 8): 0.5}) == {1: 8, 64: 0}  # argmax kept
-    with pytest.raises(ValueError, match="positive"):
-        monotone_table({(4, 2): 0.0})
-    # without plain decoding measured, lengths that only grow with the batch leave no table
-    assert monotone_table({(1, 4): 1.0, (1, 2): 0.9, (4, 2): 1.0}) == {1: 4, 4: 2}
-    for unusable in ({(1, 0): 1.0, (4, 4): 1.0}, {(1, 2): 1.0, (4, 0): 1.0, (4, 4): 2.0, (16, 4): 1.0, (64, 6): 1.0}):
-        with pytest.raises(ValueError, match="never grow"):
-            monotone_table(unusable)
-    with pytest.raises(ValueError, match="got none"):
-        monotone_table({})
-
-
 def test_measured_rounds_take_distinct_requests_up_to_each_batch_size(monkeypatch):
     """requests_per_size=2 with 8 prompts: batch 1 and 2 measure the first 2 prompts (2 calls
     and 1 call), batch 8 all 8 distinct prompts in one call, not 2 of them cycled; a bad value
     is refused."""
     import sys
 
-    from specdec.policies.batch_adaptive import measure_round_times
+    from specdec.policies.batch_profile import measure_round_times
 
     calls = []
 

@@ -17,10 +17,8 @@ from specdec.policies.cost_model import (
     TARGET_FEATURES,
     CostModel,
     LinearTimeModel,
-    ProfileGrid,
-    identity_of,
-    profile,
 )
+from specdec.policies.profiling import ProfileGrid, identity_of, profile
 from tests.tiny import make_model, perturbed_copy
 
 TRUE_TARGET = np.array([6.94e-3, 1.84e-5, 4.86e-8, 2.0e-5])  # SmartSpec's H100 fit (s), plus a row term

@@ -22,8 +22,8 @@ from specdec.policies import (
     profile,
     rate_from_expected_tokens,
 )
-from specdec.policies.acceptance import StepCounts
-from specdec.policies.goodput import LinearStepTime, StepTimeCalibration
+from specdec.policies.calibration import StepTimeCalibration
+from specdec.policies.step_time import LinearStepTime
 from specdec.runner import runners_of
 from specdec.stats import StepRecord
 from specdec.types import VerifyCost
@@ -34,13 +34,13 @@ def test_step_overhead_is_measured_and_folded_into_the_fixed_term(tmp_path, monk
     """profile(step_overhead=True) adds what _step_overhead measured to the target's fixed term
     and records it. The measurement is a difference of timings (it can come out 0 on a loaded
     machine), so here it is replaced by a known value; the next test checks the measurement."""
-    from specdec.policies import cost_model
+    from specdec.policies import profiling
 
     target = make_model("llama", dtype=torch.float32)
     drafters = [ModelDrafter(perturbed_copy(target, 0.1)), PromptLookupDrafter()]
     grid = ProfileGrid.tiny()
     plain = profile(target, drafters, device="cpu", grid=grid)
-    monkeypatch.setattr(cost_model, "_step_overhead", lambda *args, **kwargs: 0.25)  # far above any CPU step here
+    monkeypatch.setattr(profiling, "_step_overhead", lambda *args, **kwargs: 0.25)  # far above any CPU step here
     with_loop = profile(target, drafters, device="cpu", grid=grid, step_overhead=True)
     print(plain.describe(), with_loop.describe(), sep="\n")
     assert plain.step_overhead_s == 0.0 and with_loop.step_overhead_s == 0.25
@@ -58,7 +58,8 @@ def test_step_overhead_is_measured_and_folded_into_the_fixed_term(tmp_path, monk
 def test_step_overhead_is_the_measured_step_beyond_the_predicted_forward():
     """Against a target model that predicts a free forward pass, the overhead is the whole
     measured plain step, which takes real time; against one that predicts an hour, it is 0."""
-    from specdec.policies.cost_model import TARGET_FEATURES, LinearTimeModel, _step_overhead
+    from specdec.policies.cost_model import TARGET_FEATURES, LinearTimeModel
+    from specdec.policies.profiling import _step_overhead
 
     target = make_model("llama", dtype=torch.float32)
     args = (target, None, 8, 4, [1, 2], target.config.vocab_size, torch.Generator().manual_seed(0), {})
@@ -139,23 +140,22 @@ def _run_calibrated(policy, batch, steps, measured_time):
 def test_goodput_calibration_switches_speculation_off_once_it_measures_what_it_costs():
     """The cost model promises cheap drafting (a k = 4 step predicted at 1.2 s against 1 s plain,
     for about 3.4 tokens per row); the measured drafting cost is 40x the prediction (k = 4: 3 s).
-    After a few measured steps the calibrated policy decodes plainly; an uncalibrated one keeps
-    drafting; and when the measurements match the model, the calibrated one keeps drafting."""
+    After a few measured steps the policy decodes plainly; when the measurements match the
+    model, it keeps drafting."""
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
     batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
 
     def measured(slowdown):
         return lambda asked: 1.0 + (0.05 * asked.max() * slowdown if asked.any() else 0.0)
 
-    def drafting_after(calibrate, slowdown, steps=12):
-        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, calibrate=calibrate)
+    def drafting_after(slowdown, steps=12):
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
         _run_calibrated(policy, batch, steps, measured(slowdown))
         return policy.plan(batch, 1).num_draft_tokens.max(), policy
 
-    k, policy = drafting_after(calibrate=True, slowdown=40.0)
+    k, policy = drafting_after(slowdown=40.0)
     assert k == 0 and policy.calibration.extra_scale[4] > 10
-    assert drafting_after(calibrate=False, slowdown=40.0)[0] == 4
-    k, policy = drafting_after(calibrate=True, slowdown=1.0)
+    k, policy = drafting_after(slowdown=1.0)
     # drafting measured as modelled: the host's speed reads 1, and no plain probe was needed, so
     # the shape (learnt from drafting steps beside plain ones) stays the model's
     assert k == 4 and policy.calibration.base_scale[4] == pytest.approx(1.0) and 4 not in policy.calibration.extra_scale
@@ -163,18 +163,20 @@ def test_goodput_calibration_switches_speculation_off_once_it_measures_what_it_c
 
 def test_goodput_calibration_probes_again_now_and_then_but_mostly_decodes_plainly():
     """With drafting measured 40x dearer than modelled, the policy decodes plainly on most steps
-    but measures speculation again after 64 steps without drafting, so one slow measurement
-    cannot rule it out for good; with reprobe_after=0 it never drafts again after switching off."""
+    but measures speculation again after 64 steps without drafting (REPROBE_AFTER), so one slow
+    measurement cannot rule it out for good."""
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
     batch = BatchState([np.arange(10)] * 4, 1000, np.arange(4), np.zeros(0, dtype=np.int64))
 
-    def drafting_steps(reprobe_after):
-        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, reprobe_after=reprobe_after)
+    assert StepTimeCalibration.REPROBE_AFTER == 64
+
+    def drafting_steps():
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
         plans = _run_calibrated(policy, batch, 400, lambda asked: 1.0 + (2.0 * asked.max() if asked.any() else 0.0))
         return [i for i, p in enumerate(plans) if p.any()]
 
-    probing, never = drafting_steps(64), drafting_steps(0)
-    assert max(never) < 5  # the first steps only
+    probing = drafting_steps()
+    assert min(probing) == 0 and 5 not in probing  # the first steps draft, then speculation goes off
     late = [i for i in probing if i >= 5]
     # a probe is four drafting steps: the first carries the drafter's catch-up and is not
     # measured, the next three give the median of three samples, which switches speculation off
@@ -245,7 +247,7 @@ def test_goodput_calibration_leaves_out_the_policys_own_plan():
     batch = BatchState([np.arange(10)] * 4, 200, np.arange(4), np.zeros(0, dtype=np.int64))
 
     def run_with(plan_reported):
-        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, min_gain=0.5, learn_prior=False)
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, min_gain=0.5)
         plans = []
         for _ in range(6):
             asked = policy.plan(batch, 1).num_draft_tokens
@@ -287,67 +289,8 @@ def test_goodput_calibration_ignores_the_catch_up_step_after_a_pause():
     assert all(p.max() == 4 for p in plans[-20:])  # back on, and staying on
 
 
-def _returns_after_rejections(catch_up_s: float, steps: int = 120):
-    """Four rows drafting as modelled (plain 1 s, 0.05 s per draft pass) that reject every draft
-    token in steps 5-29 and accept 3 of 4 otherwise; a drafting step after more than two idle
-    ones (the first step included) costs ``catch_up_s`` more. -> (the first step from 30 on
-    that drafts, or None; the policy)."""
-    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
-    batch = BatchState([np.arange(10)] * 4, 1000, np.arange(4), np.zeros(0, dtype=np.int64))
-    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, learn_prior=False, revisit=0.01)
-    idle, returned = 99, None
-    for step in range(steps):
-        asked = policy.plan(batch, 1).num_draft_tokens
-        drafting = bool(asked.any())
-        seconds = 1.0 + 0.05 * int(asked.max()) + (catch_up_s if drafting and idle > 2 else 0.0)
-        accepted = np.zeros_like(asked) if 5 <= step < 30 else np.minimum(asked, 3)
-        policy.observe(_record(asked, accepted + 1, seconds))
-        idle = 0 if drafting else idle + 1
-        if drafting and step >= 30 and returned is None:
-            returned = step
-    return returned, policy
-
-
-def test_goodput_prices_the_catch_up_of_rows_switched_back_on():
-    """Rejections switch the rows off (about step 17); revisits bring their estimates back
-    towards the prior. With a cheap catch-up (0.1 s) they draft again as soon as the
-    rejections end; a dear one (40 s, measured on the first step and spread over 16 steps:
-    2.5 s a step) keeps them plain until reprobe_after = 64 idle steps forget it, and after
-    that they draft again (the accepting steps keep them warm)."""
-    cheap, cheap_policy = _returns_after_rejections(0.1)
-    dear, dear_policy = _returns_after_rejections(40.0)
-    assert cheap_policy.calibration.catch_up_s == pytest.approx(0.1, abs=1e-9)
-    assert cheap is not None and cheap < 40
-    assert dear is not None and dear >= 17 + 64 and dear_policy.calibration.catch_up_s == pytest.approx(40.0, abs=1e-9)
-
-
-def test_goodput_decides_again_when_the_active_rows_change_bucket():
-    """Deciding every 16 steps, a batch whose active rows fall from 8 to 3 (another bucket) gets
-    a decision at the next step, not 16 steps after the last one; rows finishing within a
-    bucket do not bring one forward."""
-    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
-    decided = []
-
-    class Counting(GoodputPolicy):
-        def _decide_interval(self, batch):
-            decided.append(self._steps)
-            return super()._decide_interval(batch)
-
-    policy = Counting(model, max_draft_tokens=4, prior=0.8, decide_every=16)
-    batch = BatchState([np.arange(10)] * 8, 200, np.arange(8), np.zeros(0, dtype=np.int64))
-    for step in range(12):
-        if step == 3:
-            batch.finished[:2] = True  # 6 active rows: still the bucket of 8
-        if step == 6:
-            batch.finished[:5] = True  # 3 active rows: the bucket of 4
-        asked = policy.plan(batch, 1).num_draft_tokens
-        policy.observe(_record(asked, np.minimum(asked, 3) + 1, 1.0 + 0.05 * int(asked.max())))
-    assert decided[0] == 0 and 6 in decided and 3 not in decided
-    assert all(s in (0, 3, 4, 6) or s > 6 for s in decided)  # the probe's early decision (3 samples) aside
-
-
 def test_shrunk_rates_pull_thin_evidence_to_the_batch_and_keep_long_records():
-    from specdec.policies.goodput import PRIOR_TRIALS, shrunk_rates
+    from specdec.policies.finish import POOLED_PRIOR_TRIALS as PRIOR_TRIALS, shrunk_rates
 
     successes = np.array([30.0, 0.0, 2.0, 0.0])
     trials = np.array([40.0, 1.0, 20.0, 0.0])
@@ -363,20 +306,24 @@ def test_shrunk_rates_pull_thin_evidence_to_the_batch_and_keep_long_records():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_finish_reads_rows_of_one_rate_as_one_rate(seed):
+    from specdec.policies.finish import shrunk_rates
+
     """64 rows of the same acceptance rate 0.75 (each step a geometric run of accepted tokens),
     16 steps: the "finish" search, which the lowest row's rate decides, reads every row within
-    0.2 of the truth (shrunk decayed counts); the per-step EMA of rates, which the other
-    searches use, reads its lowest row below 0.5 (seen: 0.32-0.42), a straggler that is not."""
+    0.2 of the truth (shrunk decayed counts); the per-step EMA of rates, which "exact" uses,
+    reads its lowest row below 0.5 (seen: 0.32-0.42), a straggler that is not."""
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.001, drafters=[{"steps": 0.05}])
     rng = np.random.default_rng(seed)
     batch = BatchState([np.arange(10)] * 64, 200, np.arange(64), np.zeros(0, dtype=np.int64))
-    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.75, search="finish", calibrate=False, learn_prior=False)
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.75, search="finish")
     for _ in range(16):
         asked = policy.plan(batch, 1).num_draft_tokens
         accepted = np.minimum(rng.geometric(0.25, size=64) - 1, asked)
-        policy.observe(_record(asked, accepted + 1, 1.2))
+        policy.observe(_record(asked, accepted + 1, None))  # no wall time: the model stays as given
     policy.plan(batch, 1)  # the decision learns from the steps
-    finish_rates, ema_rates = policy._row_rates(np.arange(64)), policy.estimator.rate(0)
+    rates = policy.finish_rates
+    finish_rates = shrunk_rates(rates.successes, rates.trials, 0.75, rates.row_prior_trials())
+    ema_rates = policy.estimator.rate(0)
     assert np.all(np.abs(finish_rates - 0.75) < 0.2)
     assert ema_rates.min() < 0.5
 
@@ -482,20 +429,23 @@ def test_calibration_pairs_drafting_and_plain_steps_of_one_call_only():
     assert 4 not in beyond._extra_samples
 
 
-def test_goodput_revisits_a_row_switched_off_by_rejections():
-    """Rejections switch a row's drafting off; with revisit its estimate drifts back to the prior
-    and it drafts again; with revisit=0 it never does (no new evidence reaches it)."""
+def test_goodput_revisits_a_row_switched_off_by_rejections(monkeypatch):
+    """Rejections switch a row's drafting off; with REVISIT its estimate drifts back to the prior
+    and it drafts again; with REVISIT 0 it never does (no new evidence reaches it)."""
+    from specdec.policies import goodput
+
     model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.2}])  # k = 1 pays above alpha ~0.32
 
     def drafting(revisit):
+        monkeypatch.setattr(goodput, "REVISIT", revisit)
         batch = BatchState([np.arange(10)], 500, np.arange(1), np.zeros(0, dtype=np.int64))
-        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, calibrate=False, revisit=revisit)
+        policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8)
         lengths = []
         for step in range(120):
             asked = policy.plan(batch, 1).num_draft_tokens
             lengths.append(int(asked[0]))
             accepted = np.zeros(1, dtype=np.int64) if step < 10 else np.minimum(asked, 3)
-            policy.observe(_record(asked, accepted + 1, 1.0))
+            policy.observe(_record(asked, accepted + 1, None))  # no wall time: the model stays as given
         return lengths
 
     with_revisit, without = drafting(0.05), drafting(0.0)
@@ -535,83 +485,21 @@ def test_goodput_probes_as_briefly_when_deciding_every_16_steps():
     assert every_step <= 80 and drafting_steps(16) <= every_step + 8
 
 
-def _counts_of(asked, emitted):
-    """StepCounts of one step in which rows drafted ``asked`` and emitted ``emitted`` tokens."""
-    counts = StepCounts(len(asked))
-    counts.add(_record(asked, emitted, 1.0), np.asarray(asked))
-    return counts
-
-
-def test_learned_prior_matches_the_tokens_per_step_of_earlier_calls_with_decay():
-    from specdec.policies.acceptance import expected_emitted
-    from specdec.policies.goodput import PRIOR_DECAY, PRIOR_LENGTH, PRIOR_ROW_STEPS, LearnedPrior
-
-    prior = LearnedPrior(0.5)
-    prior.add(_counts_of(np.array([4, 4, 4]), np.array([5, 3, 1])))
-    assert prior.rate == 0.5  # the current call's counts count from the next call on
-    prior.new_call()
-    # 3 row-steps at k = 4 that emitted 9 tokens, and the prior's pseudo row-steps
-    total = lambda a: (3 + PRIOR_ROW_STEPS) * expected_emitted(a, 4)
-    assert total(prior.rate) == pytest.approx(9 + PRIOR_ROW_STEPS * expected_emitted(0.5, PRIOR_LENGTH), rel=1e-6)  # the grid, interpolated
-    prior.add(_counts_of(np.array([2, 2]), np.array([1, 1])))
-    prior.new_call()
-    total = lambda a: (PRIOR_DECAY * 3 + PRIOR_ROW_STEPS) * expected_emitted(a, 4) + 2 * expected_emitted(a, 2)
-    assert total(prior.rate) == pytest.approx(PRIOR_DECAY * 9 + 2 + PRIOR_ROW_STEPS * expected_emitted(0.5, PRIOR_LENGTH), rel=1e-6)  # the grid, interpolated
-
-
-def test_learned_prior_predicts_the_tokens_per_step_of_rows_of_different_rates():
-    """Half the rows accept with rate 0.95, half with 0.5, drafting 8 tokens, 2000 row-steps:
-    accepted over judged tokens, pooled, reads 0.85 (the rows that accept long runs judge more
-    tokens), and E[tau](8) at that rate over-predicts the tokens per step by more than 5%
-    (measured 8%); the learnt rate predicts them within 2%."""
-    from specdec.policies.acceptance import expected_emitted
-    from specdec.policies.goodput import LearnedPrior
-
-    rng = np.random.default_rng(0)
-    rates = np.repeat([0.95, 0.5], 1000)
-    accepted = np.minimum(rng.geometric(1.0 - rates) - 1, 8)
-    counts = _counts_of(np.full(2000, 8), accepted + 1)
-    prior = LearnedPrior(0.7)
-    prior.add(counts)
-    for _ in range(20):  # the prior's pseudo row-steps fade against 2000 real ones anyway; decay leaves the call
-        prior.new_call()
-        prior.add(counts)
-    measured = (accepted + 1).mean()
-    pooled = counts.successes.sum() / counts.trials.sum()
-    assert expected_emitted(pooled, 8) > 1.05 * measured
-    assert abs(expected_emitted(prior.rate, 8) / measured - 1) < 0.02
-
-
-@pytest.mark.parametrize("learn_prior", [True, False])
-def test_goodput_policy_starts_a_new_call_at_the_acceptance_of_the_last(learn_prior):
-    """One call in which every drafted token is accepted: the next call's rows start at the rate
-    matching its tokens per step (given prior 0.3 worth PRIOR_ROW_STEPS row-steps, then the
-    call's), without learn_prior at 0.3."""
-    from specdec.policies.acceptance import expected_emitted
-    from specdec.policies.goodput import PRIOR_LENGTH, PRIOR_ROW_STEPS
-
+def test_goodput_policy_starts_a_new_call_at_its_prior():
+    """One call in which every drafted token is accepted: the policy's rows learn a high rate,
+    and the next call's rows start again at the given prior 0.3 (no cross-call prior)."""
     model = CostModel.from_coefficients(1.0, 0.01, drafters=[{"tokens": 0.01}])  # drafting pays at any rate
-    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.3, calibrate=False, learn_prior=learn_prior)
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.3)
     first = BatchState([np.arange(10)] * 2, 50, np.arange(2), np.zeros(0, dtype=np.int64))
-    drafted = []
     for _ in range(5):
         asked = policy.plan(first, 1).num_draft_tokens
         assert asked.min() > 0
-        drafted += asked.tolist()
-        policy.observe(_record(asked, asked + 1, 1.0))
+        policy.observe(_record(asked, asked + 1, None))
+    policy.plan(first, 1)  # learns the steps
+    assert policy.estimator.rate(0).min() > 0.5
     second = BatchState([np.arange(10)] * 3, 50, np.arange(3), np.zeros(0, dtype=np.int64))
     policy.plan(second, 1)
-    if learn_prior:
-        # the defining equation: at the learnt rate, the expected tokens of the call's row-steps
-        # (each emitted k + 1, one more than drafted) and the prior's pseudo row-steps equal the
-        # tokens they emitted
-        rate = policy.cold_start_rate
-        predicted = sum(expected_emitted(rate, k) for k in drafted) + PRIOR_ROW_STEPS * expected_emitted(rate, PRIOR_LENGTH)
-        emitted = sum(k + 1 for k in drafted) + PRIOR_ROW_STEPS * expected_emitted(0.3, PRIOR_LENGTH)
-        assert predicted == pytest.approx(emitted, rel=1e-6) and rate > 0.3
-    else:
-        assert policy.cold_start_rate == 0.3
-    assert policy.estimator.rate(0).tolist() == pytest.approx([policy.cold_start_rate] * 3)
+    assert policy.estimator.rate(0).tolist() == pytest.approx([0.3] * 3)
     with pytest.raises(ValueError, match="prior"):
         GoodputPolicy(model, prior=[0.3])
 
@@ -621,13 +509,13 @@ def test_finish_does_not_stop_drafting_on_a_first_probe_of_similar_rows(num_rows
     """Run 9's k = 0 stretch: rows of similar acceptance (Beta(21.6, 8.4), mean 0.72, sd 0.08),
     a cost model with the H200 run's coefficients, "finish" deciding every 4 steps. After the
     first probe, the lowest rows' rates from 16 judged tokens decide. With the batch weighing 32
-    judged tokens in each row's rate (FINISH_SHRINK_TRIALS, a prior of about the rows' true
+    judged tokens in each row's rate (finish.SHRINK_TRIALS, a prior of about the rows' true
     spread) the decision is k >= 2 in every one of 20 seeded batches (k with the known rates: 2
     or 3). At the weight 4 of point estimates, k = 0 came in 6 of 20 batches of 13 rows and 18 of
     20 of 54; at 16 with the rows' posterior samples (too wide a spread), in 1 and 9 of 20."""
-    from specdec.policies.goodput import FINISH_SHRINK_TRIALS, shrunk_rates
+    from specdec.policies.finish import SHRINK_TRIALS, shrunk_rates
 
-    assert shrunk_rates.__defaults__ == (32.0,) and FINISH_SHRINK_TRIALS == 32.0
+    assert shrunk_rates.__defaults__ == (32.0,) and SHRINK_TRIALS == 32.0
     model = CostModel.from_coefficients(c_fixed=1.175e-3, c_tok=4.03e-7, c_kv=5.25e-9,
                                         drafters=[{"fixed": 2.0e-4, "rows": 1.2e-7, "steps": 1.88e-4, "tokens": 1.3e-7,
                                                    "kv_tokens": 2.3e-9, "context_tokens": 2.8e-9}])
@@ -636,28 +524,10 @@ def test_finish_does_not_stop_drafting_on_a_first_probe_of_similar_rows(num_rows
         rng = np.random.default_rng(100 + seed)
         rates = np.clip(rng.beta(0.72 * 30, 0.28 * 30, size=num_rows), 0.05, 0.95)
         batch = BatchState([np.arange(300)] * num_rows, 128, np.arange(num_rows), np.zeros(0, dtype=np.int64))
-        policy = GoodputPolicy(model, max_draft_tokens=8, prior=0.716, search="finish", calibrate=False,
-                               learn_prior=False, decide_every=4)
+        policy = GoodputPolicy(model, max_draft_tokens=8, prior=0.716, search="finish", decide_every=4)
         for _ in range(5):
             asked = policy.plan(batch, 1).num_draft_tokens
             accepted = np.minimum(rng.geometric(1.0 - rates) - 1, asked)
-            policy.observe(_record(asked, accepted + 1, 2e-3))
+            policy.observe(_record(asked, accepted + 1, None))  # no wall time: the model stays as given
         chosen.append(int(asked.max()))  # the plan after the probe
     assert min(chosen) >= 2, chosen
-
-
-def test_end_call_folds_a_call_in_once():
-    """After a call, end_call() makes cold_start_rate read what the next call starts from (the
-    bench records it before a timed pass); the next call's first plan does not fold it again."""
-    model = CostModel.from_coefficients(1.0, 0.01, drafters=[{"tokens": 0.01}])  # drafting pays at any rate
-    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.3, calibrate=False)
-    first = BatchState([np.arange(10)] * 2, 50, np.arange(2), np.zeros(0, dtype=np.int64))
-    for _ in range(5):
-        asked = policy.plan(first, 1).num_draft_tokens
-        policy.observe(_record(asked, asked + 1, 1.0))  # every draft token accepted
-    assert policy.cold_start_rate == 0.3
-    policy.end_call()
-    learnt = policy.cold_start_rate
-    assert learnt > 0.5
-    policy.plan(BatchState([np.arange(10)] * 2, 50, np.arange(2), np.zeros(0, dtype=np.int64)), 1)
-    assert policy.cold_start_rate == learnt and policy.estimator.rate(0).tolist() == pytest.approx([learnt] * 2)

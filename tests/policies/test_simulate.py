@@ -1,13 +1,14 @@
-"""The synthetic static-batch simulator, and what "finish" learns about rows of different rates:
-posterior samples of the rows' rates, the spread learnt across calls, the short first interval,
-and the end result against the best fixed length found by simulation."""
+"""The synthetic static-batch simulator, and what "finish" does with rows of different rates:
+posterior samples of the rows' rates, the short first interval, and the end result against the
+best fixed length found by simulation."""
 
 import numpy as np
 import pytest
 
 from specdec.policies import CostModel, FixedPolicy, GoodputPolicy
-from specdec.policies.acceptance import RowRateSpread
-from specdec.policies.goodput import FIRST_INTERVAL, LinearStepTime, posterior_rate_samples, shrunk_rates
+from specdec.policies.finish import posterior_rate_samples, shrunk_rates
+from specdec.policies.goodput import FIRST_INTERVAL
+from specdec.policies.step_time import LinearStepTime
 from specdec.policies.simulate import replay_call, simulate_call
 
 # the H200 run's coefficients (tests/policies/test_profile_options.py): drafting pays, a little
@@ -84,45 +85,6 @@ def test_posterior_samples_are_stratified_around_the_shrunk_rates():
     assert posterior_rate_samples(successes, trials, 0.7, samples=1)[0] == pytest.approx(shrunk_rates(successes, trials, 0.7))
 
 
-@pytest.mark.parametrize("sd, low, high", [(0.08, 15.0, 60.0), (0.15, 4.0, 16.0)])
-def test_row_rate_spread_recovers_the_prior_strength(sd, low, high):
-    """Rows' true rates Beta around 0.72 of sd 0.08 (strength 30.5) or 0.15 (7.96); each row's
-    counts are binomial over 60 judged tokens. The method of moments recovers the strength
-    within a factor of 2 from 256 rows; identical rows read as strong as allowed."""
-    rng = np.random.default_rng(3)
-    spread = RowRateSpread()
-    assert spread.prior_strength() is None
-    rates = beta_rates(rng, 256, 0.72, sd)
-    spread.add_rows(rng.binomial(60, rates), np.full(256, 60.0))
-    assert low < spread.prior_strength() < high
-    same = RowRateSpread()
-    same.add_rows(np.full(32, 43.0), np.full(32, 60.0))
-    same.add_rows(np.full(8, 1.0), np.full(8, 2.0))  # too few trials: left out
-    assert len(same) == 32 and same.prior_strength() == RowRateSpread.MAX_STRENGTH
-
-
-def test_finish_learns_the_rows_spread_from_earlier_calls():
-    """After a call of 32 rows, "finish" weighs the batch's rate in each row's by what it learnt
-    of how alike rows are: more than FINISH_SHRINK_TRIALS after rows of sd 0.03, exactly that
-    (its floor) after rows of sd 0.15; the other searches learn no spread."""
-    def learnt(sd):
-        rng = np.random.default_rng(5)
-        policy = GoodputPolicy(H200_LIKE, max_draft_tokens=8, prior=0.7, search="finish", calibrate=False)
-        assert policy.finish_prior_trials == 32.0
-        simulate_call(policy, beta_rates(rng, 32, 0.7, sd), 128, step_time, rng)
-        policy.end_call()
-        assert len(policy.row_spread) == 32
-        return policy.finish_prior_trials, policy.row_spread.prior_strength()
-
-    alike, wide = learnt(0.03), learnt(0.15)
-    assert alike[0] == alike[1] > 60.0
-    assert wide[0] == 32.0 and 3.0 < wide[1] < 20.0
-    assert GoodputPolicy(H200_LIKE, search="exact").row_spread is None
-    assert GoodputPolicy(H200_LIKE, search="finish", learn_prior=False).row_spread is None
-    with pytest.raises(ValueError, match="finish_rate_samples"):
-        GoodputPolicy(H200_LIKE, search="finish", finish_rate_samples=0)
-
-
 def test_a_calls_second_decision_comes_after_the_first_interval():
     decided = []
 
@@ -131,7 +93,7 @@ def test_a_calls_second_decision_comes_after_the_first_interval():
             decided.append(self._steps)
             return super()._decide_interval(batch)
 
-    policy = Counting(H200_LIKE, max_draft_tokens=8, prior=0.7, search="finish", calibrate=False, decide_every=16)
+    policy = Counting(H200_LIKE, max_draft_tokens=8, prior=0.7, search="finish", decide_every=16)
     simulate_call(policy, np.full(4, 0.7), 60, step_time, np.random.default_rng(0))
     assert decided[:3] == [0, FIRST_INTERVAL, FIRST_INTERVAL + 16]
 
@@ -183,15 +145,15 @@ def straggler_rates(rng, num_rows):
 def test_finish_stops_drafting_for_stragglers_once_their_own_counts_outweigh_the_batch(monkeypatch):
     """Run 19's miss (continuation b64): a static batch lasts as long as its slowest row, and on that
     host plain decoding beat every fixed length once a row or two accepted little. Each row's
-    rate is a Beta posterior around the batch's rate. Its counts decay by FINISH_COUNT_DECAY per
+    rate is a Beta posterior around the batch's rate. Its counts decay by finish.COUNT_DECAY per
     drafting step, and a straggler judges about 1.25 tokens a step, so its counts level off near
     25 judged tokens. Unaged, the prior's 32 outweighed them and a straggler at 0.2 read 0.5-0.65.
-    With the prior ageing as the counts do (after FINISH_PRIOR_GRACE steps), "finish" reaches at
+    With the prior ageing as the counts do (after finish.GRACE steps), "finish" reaches at
     least 0.86 of plain decoding over 12 seeded batches of 64 rows, after 4 calls of history, and
     at least 1.03x what it reaches unaged (a grace longer than any call), which stays below 0.87
     (seen: 0.89 and 0.85; over 24 seeds 0.87 and 0.82, the aged prior ahead in 22 of them). The
     measured batches are the same for every policy."""
-    import specdec.policies.goodput as goodput
+    import specdec.policies.finish as finish_module
 
     def tokens_per_s(make, history):
         # the measured batch's rows are the seed's alone, the same for every policy
@@ -204,26 +166,29 @@ def test_finish_stops_drafting_for_stragglers_once_their_own_counts_outweigh_the
     plain = tokens_per_s(lambda: FixedPolicy(0), 0)
     assert max(tokens_per_s(lambda k=k: FixedPolicy(k), 0) for k in (1, 2, 4)) < plain
     aged = tokens_per_s(finish, history=4)
-    monkeypatch.setattr(goodput, "FINISH_PRIOR_GRACE", 1 << 20)
+    monkeypatch.setattr(finish_module, "GRACE", 1 << 20)
     unaged = tokens_per_s(finish, history=4)
     assert aged >= 0.86 * plain, (aged / plain, unaged / plain)
     assert unaged < 0.87 * plain and aged >= 1.03 * unaged, (aged / plain, unaged / plain)
 
 
 def test_the_batchs_weight_in_a_row_ages_with_the_rows_drafting_steps():
-    """finish_row_prior_trials: the prior's weight, finish_prior_trials, is kept for a row's first
-    FINISH_PRIOR_GRACE steps with a judged draft token, then decays by FINISH_COUNT_DECAY per such
-    step, never below FINISH_PRIOR_FLOOR; the next call's rows start afresh. Rows with different
+    """FinishRates.row_prior_trials: the prior's weight, SHRINK_TRIALS, is kept for a row's first
+    GRACE steps with a judged draft token, then decays by COUNT_DECAY per such step, never below
+    PRIOR_FLOOR; the next call's rows start afresh. Rows with different
     budgets draft for different numbers of steps, so their weights differ."""
     from specdec.batch import BatchState
-    from specdec.policies.goodput import FINISH_COUNT_DECAY, FINISH_PRIOR_FLOOR, FINISH_PRIOR_GRACE
+    from specdec.policies.finish import COUNT_DECAY as FINISH_COUNT_DECAY
+    from specdec.policies.finish import GRACE as FINISH_PRIOR_GRACE
+    from specdec.policies.finish import PRIOR_FLOOR as FINISH_PRIOR_FLOOR
+    from specdec.policies.finish import SHRINK_TRIALS
     from specdec.stats import StepRecord
     from specdec.types import VerifyCost
 
     rates, budgets = np.array([0.9, 0.9, 0.9]), np.array([30, 120, 400])  # [B]
-    policy = GoodputPolicy(H200_LIKE, max_draft_tokens=4, search="finish", calibrate=False, decide_every=1,
-                           prior=0.9, learn_prior=False)
-    assert policy.finish_row_prior_trials().shape == (0,)  # no call yet
+    policy = GoodputPolicy(H200_LIKE, max_draft_tokens=4, search="finish", decide_every=1,
+                           prior=0.9)
+    assert policy.finish_rates is None  # no call yet
     batch = BatchState([np.zeros(8, dtype=np.int64)] * 3, int(budgets.max()), np.arange(3), np.zeros(0, dtype=np.int64))
     rng = np.random.default_rng(0)
     trial_steps = np.zeros(3, dtype=np.int64)  # [B] steps in which a row had a draft token judged
@@ -238,16 +203,16 @@ def test_the_batchs_weight_in_a_row_ages_with_the_rows_drafting_steps():
                                   VerifyCost(0, 0), step_time_s=2e-3))
         batch.lengths += emitted
         batch.finished |= batch.num_generated >= budgets
-    policy.end_call()  # folds the last step in
+    policy.plan(batch, 1)  # the next decision folds the last step in
     aged_steps = FINISH_PRIOR_GRACE + np.log(FINISH_PRIOR_FLOOR / 32.0) / np.log(FINISH_COUNT_DECAY)  # where the floor is reached
     assert trial_steps[0] < FINISH_PRIOR_GRACE < trial_steps[1] < aged_steps < trial_steps[2], trial_steps
     expected = np.maximum(32.0 * FINISH_COUNT_DECAY ** np.maximum(trial_steps - FINISH_PRIOR_GRACE, 0), FINISH_PRIOR_FLOOR)
-    weights = policy.finish_row_prior_trials()
-    assert policy.finish_prior_trials == 32.0 and weights == pytest.approx(expected)
+    weights = policy.finish_rates.row_prior_trials()
+    assert SHRINK_TRIALS == 32.0 and weights == pytest.approx(expected)
     assert weights[0] == 32.0 and FINISH_PRIOR_FLOOR < weights[1] < 32.0 and weights[2] == FINISH_PRIOR_FLOOR
 
     policy.plan(BatchState([np.zeros(8, dtype=np.int64)] * 2, 20, np.arange(2), np.zeros(0, dtype=np.int64)), 1)
-    assert policy.finish_row_prior_trials().tolist() == [32.0, 32.0]  # a new call starts unaged
+    assert policy.finish_rates.row_prior_trials().tolist() == [32.0, 32.0]  # a new call starts unaged
 
 
 def test_finish_keeps_drafting_after_a_history_on_a_slower_host():

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .drafters.lookup import find_continuations
-from .zoo.prompts import cut_at_line
+from specdec.drafters.lookup import find_continuations
+from specdec.zoo.prompts import cut_at_line
 
 KINDS = ("copy", "continuation")
 STANDARD = {"mixed": 0.5, "copy": 1.0, "continuation": 0.0}  # workload name -> fraction of copy requests

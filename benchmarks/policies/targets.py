@@ -1,7 +1,7 @@
-"""Issue 5's targets, read from a policies bench result (``bench.policies``): each policy's
+"""Issue 5's targets, read from a policies bench result (``bench.py``): each policy's
 tokens/s over its reference's at the same workload and batch size, met or not, from the grid's
 median passes (``policy_targets``) and from the head-to-head rounds (``head_to_head_targets``,
-``bench.head_to_head``); with two checks of what the timing can tell apart (the fastest pass,
+``head_to_head.py``); with two checks of what the timing can tell apart (the fastest pass,
 an A/A pairing) and the room the mixed workload leaves a drafter selection.
 
 Invariant: a target reads as met only when every measured batch size meets it and every policy
@@ -34,7 +34,7 @@ def describe(family: str, variant: str, workload: str, relation: str) -> tuple[s
 
 
 # the targets in report order: (family, variant or None for every variant measured, reference)
-TARGET_ORDER = [*(t for v in ("per-row", "uniform", "finish") for t in (("goodput", v, "plain"), ("goodput", v, "best_fixed"))),
+TARGET_ORDER = [*(t for v in ("per-row", "finish") for t in (("goodput", v, "plain"), ("goodput", v, "best_fixed"))),
                 ("batch_adaptive", "", "best_fixed"), ("bandit", None, "best_single")]
 
 
@@ -94,7 +94,7 @@ def policy_targets(result: dict) -> list[dict]:
 
 
 def head_to_head_targets(result: dict) -> list[dict]:
-    """The targets of the policies timed head to head (``bench.head_to_head``), from each
+    """The targets of the policies timed head to head (``head_to_head.py``), from each
     comparison's median paired ratio over its rounds, at every (workload, batch size) cell where
     the policy has a grid run. A cell reads as failed (None) where the policy's grid run failed,
     where its rounds failed or did not run (no record: no rounds asked for, or a part from before

@@ -1,4 +1,4 @@
-"""``python -m specdec bench --policies`` end to end on CPU (tiny zoo, --quick): it writes JSON,
+"""``python -m benchmarks.policies`` end to end on CPU (tiny zoo, --quick): it writes JSON,
 markdown, two PNGs and the cost model, every run's output equals plain decoding on the same
 requests and batch size, and the notebook that reads such a file runs. The targets function is
 checked on synthetic rows, where each target's ratio is known. A smoke test, not a timing: no
@@ -12,10 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from specdec.__main__ import main
-from specdec.bench.policies import (kind_oracle_bound, markdown, merge, pass_work, policy_targets, same_decision_pairs,
-                                    timing_conditions)
-from specdec.bench.policy_targets import head_to_head_targets
+from benchmarks.policies.bench import (kind_oracle_bound, main, markdown, merge, pass_work, policy_targets,
+                                      same_decision_pairs, timing_conditions)
+from benchmarks.policies.targets import head_to_head_targets
 from specdec.policies import CostModel, FixedPolicy
 
 
@@ -24,11 +23,20 @@ def quick_run(tiny_zoo_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("policies")
     # one workload (mixed: copy and continuation requests both) at batch 1 and 8; the grid over
     # workloads is the same code looped (the merge test below covers several cells' results)
-    argv = ["bench", "--policies", "--preset", "tiny", "--device", "cpu", "--quick", "--max-new-tokens", "12",
+    argv = ["--preset", "tiny", "--device", "cpu", "--quick", "--max-new-tokens", "12",
             "--repeats", "2", "--workloads", "mixed", "--zoo-dir", str(tiny_zoo_root / "tiny"), "--out", str(out)]
     assert main(argv) == 0
     [path] = [p for p in out.glob("policies_tiny_cpu_*.json") if p.name.count(".") == 1]
     return path
+
+
+def test_the_old_command_points_to_the_new_one(capsys):
+    """``python -m specdec bench --policies`` no longer runs the experiment: it exits with an error
+    that names the command that does."""
+    from specdec.__main__ import main as specdec_main
+
+    assert specdec_main(["bench", "--policies", "--quick"]) == 2
+    assert "python -m benchmarks.policies" in capsys.readouterr().err
 
 
 def test_pass_work_sums_a_passs_calls():
@@ -54,12 +62,11 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert all(not r["error"] for r in rows), [r["error"] for r in rows if r["error"]]
     # plain decoding is the reference; every other run equals it token for token (float32 on CPU)
     assert all(r["identical"] is None if r["family"] == "plain" else r["identical"] is True for r in rows)
-    # every fixed pair: prompt lookup and one model drafter at k in {2, 4}; six bandits; three goodputs
+    # every fixed pair: prompt lookup and one model drafter at k in {2, 4}; four bandits; two goodputs
     fixed = {(r["drafters"][0], r["length"]) for r in rows if r["family"] == "fixed"}
     assert fixed == {(d, k) for d in result["drafters"] for k in (2, 4)} and len(result["drafters"]) == 2
-    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level", "batch-finish", "batch-call",
-                                                                            "joint"}
-    assert {r["variant"] for r in rows if r["family"] == "goodput"} == {"per-row", "uniform", "finish"}
+    assert {r["variant"] for r in rows if r["family"] == "bandit"} == {"ucb", "epoch", "batch-level", "batch-call"}
+    assert {r["variant"] for r in rows if r["family"] == "goodput"} == {"per-row", "finish"}
     assert sum(1 for r in rows if r["family"] == "fixed") == 4 * 2  # four pairs at two batch sizes
     # two timed passes per run, tokens/s from their median; both passes' outputs checked
     assert all(len(r["pass_seconds"]) == 2 and r["passes_agree"] and r["policy_ms_per_step"] > 0 for r in rows)
@@ -82,19 +89,13 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     goodput = [r for r in rows if r["family"] == "goodput"]
     assert all(set(r["calibration"]) == {"base_scale", "extra_scale"} for r in goodput)
     # the history (--quick: 4 held-out requests, 2 at batch 1) taught each learning policy before its passes
-    assert all(0.0 <= r["learnt_at_start"]["cold_start_rate"] <= 1.0 for r in goodput)
     given = {w: t["acceptance_rate"] for w, t in result["tau_profile"].items()}  # the prior each policy was made with
-    # every GoodputPolicy learnt from its history: its acceptance prior moved, or (one that found drafting not worth it
-    # on this CPU's timings, as happens on a loaded machine, and so learnt no acceptance) its step-time calibration
-    # holds scales, which a fresh policy's does not
-    def taught(state, workload):
-        return (state["cold_start_rate"] != pytest.approx(given[workload])
-                or bool(state.get("base_scale")) or bool(state.get("extra_scale")))
-    assert all(taught(r["learnt_at_start"], r["workload"]) for r in goodput)
-    moved = {(r["workload"], r["batch"]) for r in goodput if r["learnt_at_start"]["cold_start_rate"] != pytest.approx(given[r["workload"]])}
-    assert moved  # and at least one learnt acceptance
+    assert all(r["learnt_at_start"]["prior"] == pytest.approx(given[r["workload"]]) for r in goodput)
+    # a GoodputPolicy's step-time calibration is fed its history's steps, which a fresh policy's is not (a call's
+    # last steps at its next call's first plan: at batch 1 the history is two calls, at batch 8 one)
+    assert all(r["learnt_at_start"]["calibrated_steps"] > 0 for r in goodput if r["batch"] == 1)
     assert result["reused_files"] == 0  # no profile or history request shares a file with a measured one
-    batch_bandits = [r for r in rows if r["variant"] in ("batch-level", "batch-finish", "batch-call")]
+    batch_bandits = [r for r in rows if r["variant"] in ("batch-level", "batch-call")]
     assert batch_bandits and all(sum(r["learnt_at_start"]["pulls"]) > 0 for r in batch_bandits)
     assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / max(r["pass_seconds"])) for r in rows)  # the slower middle
     # the mixed workload really mixes, and the bandits report what each kind of request used
@@ -103,14 +104,14 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     assert set(bandit["drafter_use"]) == {"copy", "continuation"}
     # environment, cost model (fitted in this run, and saved beside the results), tables, targets
     env = result["environment"]
-    assert env["commit"] and env["command"].startswith("python -m specdec bench --policies")
+    assert env["commit"] and env["command"].startswith("python -m benchmarks.policies")
     model = CostModel.from_dict(result["cost_model"])
     assert model.num_drafters == 2
     saved = CostModel.load(quick_run.with_name(quick_run.stem + ".cost_model.json"))
     assert saved.as_dict() == model.as_dict()
     assert set(result["tau_profile"]) == {"mixed"}
     assert {t["policy"] for t in result["targets"]} == {"goodput", "batch_adaptive", "bandit"}
-    assert len(result["targets"]) == 3 * 2 + 1 + 6  # goodput variants x 2 references, batch-adaptive, bandits
+    assert len(result["targets"]) == 2 * 2 + 1 + 4  # goodput variants x 2 references, batch-adaptive, bandits
     # each cell then timed its contenders and their references head to head (--quick: 2 rounds), losslessly
     records = result["head_to_head"]
     assert sorted((r["workload"], r["batch"]) for r in records) == sorted((w, b) for w in result["workloads"] for b in (1, 8))
@@ -141,14 +142,14 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
 
 
 def test_a_time_limit_skips_the_remaining_runs_and_still_reports(tiny_zoo_root, tmp_path):
-    argv = ["bench", "--policies", "--preset", "tiny", "--device", "cpu", "--quick", "--max-new-tokens", "4",
+    argv = ["--preset", "tiny", "--device", "cpu", "--quick", "--max-new-tokens", "4",
             "--batch-sizes", "2", "--workloads", "mixed", "--lengths", "4", "--zoo-dir", str(tiny_zoo_root / "tiny"),
             "--out", str(tmp_path), "--time-limit-s", "0"]
     assert main(argv) == 0
     [path] = [p for p in tmp_path.glob("policies_*.json") if p.name.count(".") == 1]
     result = json.loads(path.read_text())
-    assert result["rows"] == [] and len(result["skipped"]) == 1 + 2 + 10  # plain, two fixed, 3 goodput + batch-adaptive + 6 bandits
-    assert "Skipped after the time limit: 13 runs" in path.with_suffix(".md").read_text()
+    assert result["rows"] == [] and len(result["skipped"]) == 1 + 2 + 7  # plain, two fixed, 2 goodput + batch-adaptive + 4 bandits
+    assert "Skipped after the time limit: 10 runs" in path.with_suffix(".md").read_text()
 
 
 def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_path):
@@ -163,7 +164,7 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
                 "head_to_head": [r for r in whole["head_to_head"] if r["batch"] == batch]}
         parts.append(tmp_path / f"part{batch}.json")
         parts[-1].write_text(json.dumps(part))
-    assert main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path), "--name", "merged"]) == 0
+    assert main(["--merge", *map(str, parts), "--out", str(tmp_path), "--name", "merged"]) == 0
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert sorted(map(json.dumps, merged["rows"])) == sorted(map(json.dumps, whole["rows"]))
     assert merged["targets"] == policy_targets(whole) and merged["settings"]["batch_sizes"] == [1, 8]
@@ -171,14 +172,14 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
     assert merged["head_to_head_targets"] == head_to_head_targets(whole) and merged["settings"]["head_to_head_rounds"] == [8, 1]
     assert len(merged["parts"]) == 2 and "part 2 of 2: batch sizes [1]" in (tmp_path / "merged.md").read_text()
     with pytest.raises(SystemExit, match="both measured batch 8"):
-        main(["bench", "--policies", "--merge", str(parts[0]), str(parts[0]), "--out", str(tmp_path)])
+        main(["--merge", str(parts[0]), str(parts[0]), "--out", str(tmp_path)])
     # the history's size at batch sizes above 1 may differ from a part of batch 1 alone (which
     # serves batch1_prompts); starting fresh (0) may not
     other = {**json.loads(parts[1].read_text())}
     for history, merges in ((whole["settings"]["history_prompts"] + 4, True), (0, False)):
         other["settings"] = {**other["settings"], "history_prompts": history}
         parts[1].write_text(json.dumps(other))
-        argv = ["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path), "--name", "history"]
+        argv = ["--merge", *map(str, parts), "--out", str(tmp_path), "--name", "history"]
         if merges:
             assert main(argv) == 0
         else:
@@ -195,7 +196,7 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
     parts[2].write_text(json.dumps(third))
     for order in ([1, 0, 2], [0, 1, 2]):
         with pytest.raises(SystemExit, match=r"settings differ in \['history_prompts'\]"):
-            main(["bench", "--policies", "--merge", *(str(parts[i]) for i in order), "--out", str(tmp_path)])
+            main(["--merge", *(str(parts[i]) for i in order), "--out", str(tmp_path)])
     merged = merge([json.loads(parts[i].read_text()) for i in (1, 0)])
     assert merged["settings"]["history_prompts"] == history  # from the part that used it
     parts.pop()
@@ -213,7 +214,7 @@ def test_results_at_different_batch_sizes_merge_into_one_report(quick_run, tmp_p
     other["settings"] = {**other["settings"], "repeats": whole["settings"]["repeats"], "max_new_tokens": 99}
     parts[1].write_text(json.dumps(other))
     with pytest.raises(SystemExit, match=r"settings differ in \['max_new_tokens'\]"):
-        main(["bench", "--policies", "--merge", *map(str, parts), "--out", str(tmp_path)])
+        main(["--merge", *map(str, parts), "--out", str(tmp_path)])
 
 
 def test_a_workload_a_part_skipped_merges_from_another_part(quick_run, tmp_path):
@@ -367,7 +368,7 @@ def mix_f(copy, continuation, fraction):
 
 
 def test_the_report_renders_synthetic_results():
-    result = {"environment": {"command": "python -m specdec bench --policies", "commit": "abc", "time": "now",
+    result = {"environment": {"command": "python -m benchmarks.policies", "commit": "abc", "time": "now",
                               "cpu": "x86_64", "torch": "2", "transformers": "5", "specdec": "0.1"},
               "settings": {"preset": "tiny", "dtype": "auto", "max_new_tokens": 8, "batch1_prompts": 2,
                            "num_prompts": 8},
@@ -380,7 +381,7 @@ def test_the_report_renders_synthetic_results():
 def test_the_profile_and_pinning_options_reach_the_settings():
     """--tau-profile-tokens, --profile-repeats, --profile-prompts and --pin-cpu set their fields;
     --quick keeps an option given explicitly; a count below 1 is refused before anything is built."""
-    from specdec.bench.policies import parser, settings_from
+    from benchmarks.policies.bench import parser, settings_from
 
     settings = settings_from(parser().parse_args(["--tau-profile-tokens", "128", "--profile-repeats", "5", "--pin-cpu",
                                                   "--profile-prompts", "8"]))
@@ -401,7 +402,7 @@ def test_the_profile_and_pinning_options_reach_the_settings():
 def test_the_timing_condition_options_reach_the_settings():
     """By default the timed passes run with one torch thread and 30 ms of GPU work before each;
     --timing-threads 0 leaves the threads alone; negative values are refused."""
-    from specdec.bench.policies import parser, settings_from
+    from benchmarks.policies.bench import parser, settings_from
 
     default = settings_from(parser().parse_args([]))
     assert (default.timing_threads, default.gpu_warmup_ms) == (1, 30.0)
@@ -416,7 +417,7 @@ def test_the_history_holds_several_calls_at_each_batch_size():
     """At batch B > 1 the history is max(history_calls x B, history_prompts) held-out requests
     (8 calls by default: one call at batch 64 left the batch-scope bandits a visit or two per
     drafter, four left the one-drafter-per-call bandit exploring); batch 1 serves batch1_prompts; --history-calls below 1 is refused."""
-    from specdec.bench.policies import history_size, parser, settings_from
+    from benchmarks.policies.bench import history_size, parser, settings_from
 
     default = settings_from(parser().parse_args([]))
     assert default.history_calls == 8
@@ -432,7 +433,7 @@ def test_a_pass_holds_pass_calls_calls_at_each_batch_size_above_1(quick_run):
     """At batch B > 1 a timed pass serves max(pass_calls x B, num_prompts) requests (1 call of B
     by default, as before --pass-calls); batch 1 serves batch1_prompts; the report says so; a
     part from before --pass-calls merges with parts of --pass-calls 1 and not of 2; below 1 is refused."""
-    from specdec.bench.policies import markdown, measured_size, parser, settings_from
+    from benchmarks.policies.bench import markdown, measured_size, parser, settings_from
 
     default = settings_from(parser().parse_args(["--num-prompts", "16"]))
     assert default.pass_calls == 1
@@ -460,8 +461,8 @@ def test_a_pass_holds_pass_calls_calls_at_each_batch_size_above_1(quick_run):
 def test_the_history_repeats_its_own_files_rather_than_come_back_to_the_measured_ones(tiny_zoo_root):
     """When the held-out files run out, history_workloads repeats the history's own requests: none
     comes from a file before ``first`` (measured or profiled), and each workload has the rows asked."""
-    from specdec.bench.policies import PolicyBenchSettings, history_workloads
-    from specdec.workloads import WorkloadGenerator
+    from benchmarks.policies.bench import PolicyBenchSettings, history_workloads
+    from benchmarks.policies.workloads import WorkloadGenerator
     from specdec.zoo import load
 
     tiny = load("tiny", out=tiny_zoo_root / "tiny")
@@ -503,7 +504,7 @@ def test_a_learning_policy_serves_the_history_and_each_pass_starts_from_a_copy()
     history (passes count 1 and 2); without a history the learning one starts fresh too."""
     from dataclasses import replace
 
-    from specdec.bench.policies import Method, PolicyBenchSettings, measure_cell
+    from benchmarks.policies.bench import Method, PolicyBenchSettings, measure_cell
     from specdec.drafters import PromptLookupDrafter
     from tests.tiny import make_model, random_prompts
 
@@ -522,7 +523,7 @@ def test_a_learning_policy_serves_the_history_and_each_pass_starts_from_a_copy()
 
 
 def test_checkpoint_file_is_replaced_whole_and_leaves_no_temporary(tmp_path):
-    from specdec.bench.policies import write_replacing
+    from benchmarks.policies.bench import write_replacing
 
     path = tmp_path / "run.partial.json"
     write_replacing(path, '{"cells": 1}')

@@ -1,4 +1,4 @@
-"""Workloads for the policy experiments (specdec/workloads.py), on the tiny zoo's held-out files
+"""Workloads for the policy experiments (benchmarks/policies/workloads.py), on the tiny zoo's held-out files
 and tokenizer: the mixture holds its proportions (overall and in every block, so the first few
 requests are mixed like the whole), a workload is a function of its seed, a copy-heavy request
 really is its file's beginning followed by that beginning again, and on copy-heavy requests
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.workloads import (
+from benchmarks.policies.workloads import (
     BLOCK,
     STANDARD,
     WorkloadGenerator,

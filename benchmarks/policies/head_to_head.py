@@ -1,5 +1,5 @@
 """Head-to-head rounds: issue 5's targets timed again, apart from the grid that chose their
-references (``bench.policies`` runs them at the end of each cell).
+references (``bench.py`` runs them at the end of each cell).
 
 The grid times every method of a cell in ``repeats`` interleaved rounds and reads each from its
 median pass. Two things blur a target read from it:
@@ -8,7 +8,7 @@ median pass. Two things blur a target read from it:
   off by the machine's noise, so the one that comes out fastest is more often than not one that
   drew a lucky spell, and every policy reads low against it;
 - the noise itself: the median of a few passes of the very same work moves from round to round
-  by as much as the margins the targets judge (``policy_targets.same_decision_pairs``).
+  by as much as the margins the targets judge (``targets.same_decision_pairs``).
 
 So each cell then times the targets' policies (``CONTENDERS``) and their references as the grid
 chose them (plain decoding; the best fixed length of the policy's drafter; the best single
@@ -42,7 +42,7 @@ def is_reference(relation: str, family: str, drafters: Sequence[str], length: in
     (the policy's drafters and length): plain decoding ("plain"); plain decoding or any fixed
     length of the policy's drafter ("best_fixed"); a fixed pair of one of its drafters at its own
     length ("best_single"). The fastest candidate is the reference, here and in the grid's
-    targets (bench.policy_targets)."""
+    targets (targets.py)."""
     if relation == "plain":
         return family == "plain"
     if relation == "best_fixed":
@@ -158,7 +158,7 @@ def twin_ratios(records: list[dict]) -> list[dict]:
 
 def markdown_lines(records: list[dict], target_table: list[str]) -> list[str]:
     """The report's head-to-head section: how the rounds ran, ``target_table`` (the lines of the
-    targets' table, bench.policy_targets.target_table), every comparison of every cell, then
+    targets' table, targets.target_table), every comparison of every cell, then
     what the adaptive policies chose round by round (where the record keeps it)."""
     if not records:
         return []
@@ -167,7 +167,7 @@ def markdown_lines(records: list[dict], target_table: list[str]) -> list[str]:
              f"After each cell's grid, its targeted policies and their references as the grid chose them were timed in "
              f"{'/'.join(map(str, rounds))} more rounds, every entry once per round in rotated order, with the first best "
              "fixed pair twice (its twin: the cell's A/A check). A ratio is the median over rounds of the policy's "
-             "tokens/s over the reference's in the same round (bench.head_to_head).", "", *target_table]
+             "tokens/s over the reference's in the same round (head_to_head.py).", "", *target_table]
     failed = [r for r in records if r.get("error")]
     if failed:
         lines += ["", "Head-to-head rounds that failed (their targets fail there): " +

@@ -1,4 +1,4 @@
-"""The policies bench's head-to-head rounds (specdec.bench.head_to_head): which entries a cell
+"""The policies bench's head-to-head rounds (benchmarks/policies/head_to_head.py): which entries a cell
 times (the contenders, their references as the grid chose them, a twin), the rotated rounds,
 the paired ratios and their median, the targets read from them (met, not met, failed, output
 that differed), and measure_cell running them after the grid with every pass of a learning
@@ -11,11 +11,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from specdec.bench import head_to_head
-from specdec.bench.policies import Method, PolicyBenchSettings, markdown, measure_cell
-from specdec.bench.policy_targets import head_to_head_targets
+from benchmarks.policies import head_to_head
+from benchmarks.policies.bench import Method, PolicyBenchSettings, markdown, measure_cell
+from benchmarks.policies.targets import head_to_head_targets
 from specdec.policies import FixedPolicy
-from tests.bench.test_policies_bench import CallCountingPolicy, _row
+from tests.benchmarks.test_policies_bench import CallCountingPolicy, _row
 
 
 def _method(name, family, variant="", drafters=(), length=0):
@@ -241,7 +241,7 @@ def test_measure_cell_times_the_contenders_after_the_grid_each_pass_from_the_his
 
 
 def test_the_rounds_option_reaches_the_settings_and_refuses_a_negative_count():
-    from specdec.bench.policies import parser, settings_from
+    from benchmarks.policies.bench import parser, settings_from
 
     assert settings_from(parser().parse_args([])).head_to_head_rounds == 8
     assert settings_from(parser().parse_args(["--head-to-head-rounds", "0"])).head_to_head_rounds == 0

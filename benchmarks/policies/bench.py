@@ -1,8 +1,8 @@
-"""``python -m specdec bench --policies``: the adaptive policies (GoodputPolicy per-row,
-uniform and finish, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch
-with the step and the finish objective, and joint)
+"""``python -m benchmarks.policies``: the adaptive policies (GoodputPolicy per-row and
+finish, BatchAdaptivePolicy, BanditPolicy per request by UCB and by epochs, per batch with the
+step and the call objective)
 against every fixed (drafter, length) pair and plain decoding, on copy-heavy, continuation and
-mixed workloads (``specdec.workloads``), at several batch sizes, in one process.
+mixed workloads (``workloads.py``), at several batch sizes, in one process.
 
 Order of work: load the zoo and make the workloads; build every runner once at the largest
 shape any later call needs (on CUDA: compiled and captured; the biggest batch, the longest
@@ -16,7 +16,7 @@ pass of every method, in an order rotated from round to round (requests at batch
 max(pass_calls x B, num_prompts) in calls of B; batch 1: the first batch1_prompts, one per call), each pass
 with a fresh policy, the device synchronised around it and the garbage collector paused during
 it; tokens/s from each method's median pass. Interleaving puts a slow spell of the machine on
-every method alike. Then the cell's head-to-head rounds (bench.head_to_head): the targeted
+every method alike. Then the cell's head-to-head rounds (head_to_head.py): the targeted
 policies against their references as the grid chose them, and a twin of the best fixed pair,
 ``head_to_head_rounds`` rounds; the targets are read from both. ``--merge`` joins runs made at different batch
 sizes (one GPU call each) into one report.
@@ -50,9 +50,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import generate
-from ..drafters import ModelDrafter, PromptLookupDrafter
-from ..policies import (
+from specdec import generate
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.policies import (
     BanditPolicy,
     BatchAdaptivePolicy,
     CostModel,
@@ -63,15 +63,15 @@ from ..policies import (
     profile,
     rate_from_expected_tokens,
 )
-from ..runner import runners_of
-from ..verifiers import PaddingFreeVerifier
-from ..workloads import KINDS, STANDARD, WorkloadGenerator, mean_oracle_lookup_tau
-from ..zoo import build, load
+from specdec.runner import runners_of
+from specdec.verifiers import PaddingFreeVerifier
+from .workloads import KINDS, STANDARD, WorkloadGenerator, mean_oracle_lookup_tau
+from specdec.zoo import build, load
 from . import head_to_head
-from .affinity import gpu_local_cpus, pinned, torch_threads, warm_gpu
-from .common import agreement, synchronise
-from .harness import environment
-from .policy_targets import (
+from specdec.bench.affinity import gpu_local_cpus, pinned, torch_threads, warm_gpu
+from specdec.bench.common import agreement, synchronise
+from specdec.bench.harness import environment
+from .targets import (
     by_batch_text,
     fastest_pass_rows,
     head_to_head_targets,
@@ -83,14 +83,11 @@ from .policy_targets import (
 
 LOOKUP = "prompt lookup"
 # the bandits measured: variant -> (strategy, scope, objective). The batch-scope variants play
-# UCB since switches are charged: the epoch schedule's round robin switches at every turn, and
-# on synthetic drafters 3-8% apart with a switch worth 2 extra steps it made 0.87x UCB's tokens
-# per second (tests/policies/test_bandit.py's simulation). "batch-call" plays one drafter per
-# call, rewarded by the whole call
+# UCB: the epoch schedule's round robin switches drafters at every turn, and every switch makes
+# the whole batch catch up. "batch-call" plays one drafter per call, rewarded by the whole call
 BANDIT_VARIANTS = {"ucb": ("ucb", "request", "step"), "epoch": ("epoch", "request", "step"),
-                   "batch-level": ("ucb", "batch", "step"), "batch-finish": ("ucb", "batch", "finish"),
-                   "batch-call": ("ucb", "batch", "call"), "joint": ("ucb", "joint", "step")}
-FORMAT = "specdec.bench.policies/1"
+                   "batch-level": ("ucb", "batch", "step"), "batch-call": ("ucb", "batch", "call")}
+FORMAT = "specdec.bench.policies/1"  # the results files' format name, kept across the move to benchmarks/
 
 
 @dataclass
@@ -144,7 +141,7 @@ class PolicyBenchSettings:
     history_prompts: int = 16
     history_calls: int = 8
     repeats: int = 3  # timed passes per run (a fresh policy each); tokens/s from the median pass
-    # rounds of each cell's head-to-head (bench.head_to_head): the targeted policies, their references as the
+    # rounds of each cell's head-to-head (head_to_head.py): the targeted policies, their references as the
     # grid chose them and a twin of the best fixed pair, every one once a round; 0: none
     head_to_head_rounds: int = 8
     time_limit_s: float | None = None  # no cell (batch size, workload) starts after this many seconds
@@ -158,7 +155,7 @@ class PolicyBenchSettings:
 class Method:
     name: str
     family: str  # "plain", "fixed", "goodput", "batch_adaptive", "bandit"
-    variant: str  # "", "per-row", "uniform", "finish", "ucb", "epoch", "batch-level", "batch-finish", "batch-call", "joint"
+    variant: str  # "", "per-row", "finish", "ucb", "epoch", "batch-level", "batch-call"
     drafters: tuple[str, ...]  # given to generate(), in this order
     length: int  # fixed: k; goodput / batch_adaptive: the longest draft; bandit: k
     make: Callable[[str], Policy] = field(repr=False)  # workload name -> a fresh policy
@@ -268,7 +265,7 @@ def methods(settings: PolicyBenchSettings, names: list[str], policy_drafter: str
         for k in sorted(set(settings.lengths) | {settings.bandit_length}):
             found.append(Method(f"fixed {name} k={k}", "fixed", "", (name,), k, lambda w, k=k: FixedPolicy(k)))
     K, every = settings.max_draft_tokens, settings.goodput_decide_every
-    for variant, search in (("per-row", "exact"), ("uniform", "uniform"), ("finish", "finish")):
+    for variant, search in (("per-row", "exact"), ("finish", "finish")):
         found.append(Method(f"GoodputPolicy {variant} ({policy_drafter}, k<={K})", "goodput", variant, (policy_drafter,), K,
                             lambda w, search=search: GoodputPolicy(single, max_draft_tokens=K, search=search,
                                                                    decide_every=every, prior=priors[w])))
@@ -352,7 +349,7 @@ def run(settings: PolicyBenchSettings, log=_log, checkpoint=None, command: str |
         "policy_drafter": policy_drafter,
         "workloads": {},
         "rows": [],
-        "head_to_head": [],  # per cell (bench.head_to_head)
+        "head_to_head": [],  # per cell (head_to_head.py)
         "skipped": [],
         "timings": {},
         "timing_cpus": timing_cpus(settings),  # None: the passes ran unpinned
@@ -638,7 +635,7 @@ def median_pass_rate(passes: list[tuple]) -> float:
 
 def time_head_to_head(grid_methods: list[Method], passes: list[list[tuple]], errors: dict, rounds: int,
                       timed_pass: Callable[[int], tuple]) -> dict | None:
-    """The cell's head-to-head rounds (bench.head_to_head), after its grid: the contenders and
+    """The cell's head-to-head rounds (head_to_head.py), after its grid: the contenders and
     their references chosen from the grid's median passes, ``rounds`` rounds of them -> the
     record (None: no contender ran). Anything that raises ends the rounds, recorded as ``error``
     (which method, which round), and fails the cell's head-to-head targets; the run goes on."""
@@ -671,16 +668,12 @@ def serve_history(target, policy: Policy, prompts: list[list[int]], batch: int, 
 
 
 def learnt_state(policy: Policy) -> dict:
-    """What a learning policy knows before a pass (JSON): GoodputPolicy's cold-start acceptance
-    and calibration; a batch-scope bandit's pulls and mean rewards per drafter; {} otherwise."""
+    """What a learning policy knows before a pass (JSON): GoodputPolicy's prior and step-time
+    calibration; a batch-scope bandit's pulls and mean rewards per drafter; {} otherwise."""
     if isinstance(policy, GoodputPolicy):
-        state = {"cold_start_rate": policy.cold_start_rate}
-        if policy.search == "finish":
-            state["finish_prior_trials"] = policy.finish_prior_trials
-        if policy.calibration is not None:
-            state["base_scale"] = {str(b): v for b, v in sorted(policy.calibration.base_scale.items())}
-            state["extra_scale"] = {str(b): v for b, v in sorted(policy.calibration.extra_scale.items())}
-        return state
+        return {"prior": policy.prior, "calibrated_steps": policy.calibration.steps_measured,
+                "base_scale": {str(b): v for b, v in sorted(policy.calibration.base_scale.items())},
+                "extra_scale": {str(b): v for b, v in sorted(policy.calibration.extra_scale.items())}}
     if isinstance(policy, BanditPolicy) and policy.scope == "batch" and policy.bandits is not None:
         return {"pulls": policy.bandits.counts[0].tolist(), "mean_reward": policy.bandits.raw_means()[0].tolist()}
     return {}
@@ -1088,7 +1081,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m specdec bench --policies",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.policies",
                                 description="adaptive policies against fixed drafter/length pairs on mixed workloads")
     d = PolicyBenchSettings()
     p.add_argument("--preset", default=d.preset)
@@ -1119,7 +1112,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per run (median); --quick: 1")
     p.add_argument("--head-to-head-rounds", type=int, default=d.head_to_head_rounds,
                    help="rounds of each cell's head-to-head of the targeted policies and their references "
-                        "(bench.head_to_head); 0: none; --quick: 2")
+                        "(head_to_head.py); 0: none; --quick: 2")
     p.add_argument("--history-prompts", type=int, default=d.history_prompts,
                    help="held-out requests each learning policy serves before its timed passes (at batch B: at "
                         "least --history-calls x B; at batch 1: --batch1-prompts); 0: every pass starts fresh; --quick: 4")
@@ -1164,22 +1157,24 @@ def settings_from(args) -> PolicyBenchSettings:
         tau_profile_tokens=args.tau_profile_tokens, timing_threads=args.timing_threads or None,
         gpu_warmup_ms=args.gpu_warmup_ms, history_prompts=args.history_prompts, history_calls=args.history_calls,
         pass_calls=args.pass_calls, profile_prompts=args.profile_prompts, head_to_head_rounds=args.head_to_head_rounds)
-    if settings.profile_prompts < 1:
-        raise SystemExit(f"--profile-prompts must be >= 1, got {settings.profile_prompts}")
-    if settings.pass_calls < 1:
-        raise SystemExit(f"--pass-calls must be >= 1, got {settings.pass_calls}")
-    if settings.history_prompts < 0 or settings.history_calls < 1:
-        raise SystemExit(f"--history-prompts must be >= 0 (0: no history) and --history-calls >= 1, got "
-                         f"{settings.history_prompts} and {settings.history_calls}")
-    if (args.timing_threads or 0) < 0 or args.gpu_warmup_ms < 0:
-        raise SystemExit(f"--timing-threads and --gpu-warmup-ms must be >= 0, got {args.timing_threads} and {args.gpu_warmup_ms}")
-    if settings.repeats < 1:
-        raise SystemExit(f"--repeats must be >= 1, got {settings.repeats}")
-    if settings.head_to_head_rounds < 0:
-        raise SystemExit(f"--head-to-head-rounds must be >= 0 (0: no head-to-head), got {settings.head_to_head_rounds}")
-    if settings.tau_profile_repeats < 1 or settings.tau_profile_tokens < 1:
-        raise SystemExit(f"--profile-repeats and --tau-profile-tokens must be >= 1, got "
-                         f"{settings.tau_profile_repeats} and {settings.tau_profile_tokens}")
+    refused = [  # (the options' values are wrong, what they must be)
+        (settings.profile_prompts < 1, f"--profile-prompts must be >= 1, got {settings.profile_prompts}"),
+        (settings.pass_calls < 1, f"--pass-calls must be >= 1, got {settings.pass_calls}"),
+        (settings.history_prompts < 0 or settings.history_calls < 1,
+         f"--history-prompts must be >= 0 (0: no history) and --history-calls >= 1, got "
+         f"{settings.history_prompts} and {settings.history_calls}"),
+        ((args.timing_threads or 0) < 0 or args.gpu_warmup_ms < 0,
+         f"--timing-threads and --gpu-warmup-ms must be >= 0, got {args.timing_threads} and {args.gpu_warmup_ms}"),
+        (settings.repeats < 1, f"--repeats must be >= 1, got {settings.repeats}"),
+        (settings.head_to_head_rounds < 0,
+         f"--head-to-head-rounds must be >= 0 (0: no head-to-head), got {settings.head_to_head_rounds}"),
+        (settings.tau_profile_repeats < 1 or settings.tau_profile_tokens < 1,
+         f"--profile-repeats and --tau-profile-tokens must be >= 1, got "
+         f"{settings.tau_profile_repeats} and {settings.tau_profile_tokens}"),
+    ]
+    for wrong, message in refused:
+        if wrong:
+            raise SystemExit(message)
     if args.quick:  # smaller settings, except where an option was given explicitly
         defaults = parser().parse_args([])
         quick = {"batch_sizes": (1, 8), "num_prompts": 8, "batch1_prompts": 2, "lengths": (2, 4),
@@ -1207,7 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}", flush=True)
         return 0
     settings = settings_from(args)
-    command = "python -m specdec bench --policies " + " ".join(argv)
+    command = "python -m benchmarks.policies " + " ".join(argv)
     stem = args.name or f"policies_{settings.preset}_{settings.device.split(':')[0]}_{time.strftime('%Y%m%d_%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"{stem}.partial.json"

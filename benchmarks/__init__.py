@@ -1,0 +1,1 @@
+"""Experiment scaffolding outside the installed package (run from the repository root)."""

@@ -1,0 +1,75 @@
+"""The step time GoodputPolicy optimises against: the CostModel's prediction over the active rows,
+written out as a function of the draft lengths (SmartSpec, Liu et al. 2024, arXiv 2406.14066:
+T = c_fixed + c_tok * batched tokens + c_kv * KV tokens read + the drafter's time).
+
+With the committed lengths L_i fixed, the step time is linear in the lengths k once their
+maximum m (the drafter's sequential passes) is fixed:
+
+    T(k) = T_0 + [any k_i > 0] (d_fixed + d_steps * m) + sum_i (f_i [k_i > 0] + c_i k_i),
+
+f_i = d_rows + d_ctx L_i the cost of drafting for row i at all and c_i = c_tok + c_kv + d_tokens
++ d_kv L_i the cost of each of its draft tokens.
+
+Invariant: ``LinearStepTime.from_cost_model(model, L)(k) == model.step_time(L, k)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost_model import CostModel
+
+
+def row_bucket(num_rows: int) -> int:
+    """The power of two >= num_rows: the calibration keeps one correction per bucket of active rows."""
+    return 1 << max(int(num_rows) - 1, 0).bit_length()
+
+
+@dataclass
+class LinearStepTime:
+    """T(k) over the active rows (module docstring)."""
+
+    base: float
+    token_cost: np.ndarray  # [A]
+    row_cost: np.ndarray | float = 0.0  # [A] or one for all rows
+    draft_fixed: float = 0.0
+    depth_cost: float = 0.0
+    row_base: np.ndarray | None = None  # [A] what each row adds to the plain step (base - sum: fixed); None: all fixed
+
+    def __call__(self, k: np.ndarray) -> np.ndarray:
+        """k: [..., A] -> [...] seconds."""
+        k = np.asarray(k)
+        on = k > 0  # [..., A]
+        drafting = on.any(axis=-1)
+        per_row = (self.row_cost * on + self.token_cost * k).sum(axis=-1)
+        return self.base + per_row + drafting * (self.draft_fixed + self.depth_cost * k.max(axis=-1, initial=0))
+
+    def extra(self, k: np.ndarray) -> np.ndarray:
+        """What drafting k [..., A] adds to the plain step: T(k) - base."""
+        return self(k) - self.base
+
+    def calibrated(self, base_scale: float, extra_scale: float) -> LinearStepTime:
+        """The plain step scaled by ``base_scale``, everything drafting adds by ``extra_scale``."""
+        return LinearStepTime(base=self.base * base_scale, token_cost=self.token_cost * extra_scale,
+                              row_cost=np.asarray(self.row_cost) * extra_scale, draft_fixed=self.draft_fixed * extra_scale,
+                              depth_cost=self.depth_cost * extra_scale,
+                              row_base=None if self.row_base is None else np.asarray(self.row_base) * base_scale)
+
+    @classmethod
+    def from_cost_model(cls, cost_model: CostModel, lengths: np.ndarray, drafter_index: int = 0) -> LinearStepTime:
+        """The CostModel's step time over active rows of committed ``lengths`` [A], all drafting
+        with drafter ``drafter_index``."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        num_rows = len(lengths)
+        if not drafter_index < cost_model.num_drafters:
+            raise ValueError(f"the cost model times {cost_model.num_drafters} drafter(s), not drafter {drafter_index}")
+        target = cost_model.target.terms()
+        drafter = cost_model.drafters[drafter_index].terms()
+        base = float(cost_model.target_time(num_rows, lengths.sum(), num_rows))
+        token_cost = target["tokens"] + target["kv_tokens"] + drafter["tokens"] + drafter["kv_tokens"] * lengths
+        row_cost = drafter["rows"] + drafter["context_tokens"] * lengths
+        row_base = target["tokens"] + target["rows"] + target["kv_tokens"] * lengths  # [A] one token, one row, its keys
+        return cls(base=base, token_cost=token_cost, row_cost=row_cost, draft_fixed=drafter["fixed"],
+                   depth_cost=drafter["steps"], row_base=row_base)
