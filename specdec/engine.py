@@ -215,12 +215,12 @@ class Engine:
 
     def _check_sampling(self, sampling) -> SamplingParams | None:
         """A request's own sampling parameters, checked: None for the engine's, else a SamplingParams."""
-        if sampling is None or sampling == self.sampling:
+        if sampling is None:
             return None
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams (or None for the engine's), got {type(sampling).__name__}"
                             " (the seed is its own argument: add_request(prompt, max_new_tokens, seed=...))")
-        return sampling
+        return None if sampling == self.sampling else sampling
 
     def enqueue(self, prompt: np.ndarray, max_new_tokens: int, seed: int, eos_token_ids: np.ndarray | None = None,
                 sampling: SamplingParams | None = None) -> int:

@@ -68,7 +68,7 @@ def _process_rows(logits: torch.Tensor, params: RowSampling) -> torch.Tensor:
     """process_logits with per-row parameters [R]: the same operations on each row as its own
     SamplingParams would run (a neutral value where it cuts nothing), so that a row's numbers
     are bit-for-bit those it gets alone. logits: [R, ..., V] -> [R, ..., V]."""
-    scores = logits.float() / params.per_row(params.temperature, logits)  # [R, ..., V]
+    scores = params.divide(logits.float(), params.temperature, params.inv_temperature)  # [R, ..., V]
     vocab_size = scores.shape[-1]
     if params.cuts_top_k:
         kth = params.per_row(params.top_k.clamp(max=vocab_size) - 1, logits)  # [R, 1, ..., 1]

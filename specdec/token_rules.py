@@ -25,12 +25,19 @@ from .transfer import to_device
 from .types import PAD_ID, RowSampling, SamplingParams
 
 
-def _penalty(params: SamplingParams | RowSampling, like: torch.Tensor) -> float | torch.Tensor | None:
-    """The penalty to divide and multiply ``like`` [R, ...] by: a float, per-row float32 factors
-    shaped to broadcast (1 on rows without one, which changes no bit), or None when no row has one."""
+def _penalised(scores: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor | None:
+    """scores [R, ...] float32 with the repetition penalty applied to every entry (negative ones
+    multiplied by it, the others divided), per row under a RowSampling (1 on rows without one,
+    which changes no bit); None when no row has a penalty."""
     if isinstance(params, RowSampling):
-        return params.per_row(params.penalty, like) if params.penalises else None
-    return None if params.repetition_penalty in (None, 1.0) else float(params.repetition_penalty)
+        if not params.penalises:
+            return None
+        divided = params.divide(scores, params.penalty, params.inv_penalty)
+        return torch.where(scores < 0, scores * params.per_row(params.penalty, scores), divided)
+    if params.repetition_penalty in (None, 1.0):
+        return None
+    penalty = float(params.repetition_penalty)
+    return torch.where(scores < 0, scores * penalty, scores / penalty)
 
 
 def penalises_repeats(params: SamplingParams | RowSampling) -> bool:
@@ -53,8 +60,7 @@ def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray,
     num_rows, num_slots, vocab_size = logits.shape
     device = logits.device
     adjusted = logits.to(torch.float32, copy=True)  # [R, S, V]
-    penalty = _penalty(params, adjusted[:, 0])  # [R, 1] per row
-    if penalty is not None:
+    if penalises_repeats(params):
         seen = (committed_tokens_seen(batch, rows, vocab_size, device) if committed_seen is None
                 else committed_seen.clone())  # [R, V + 1], column V: absent
         added = 0
@@ -64,8 +70,7 @@ def apply_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.ndarray,
                 seen.scatter_(1, _with_spare_column(extra[:, added:wanted], vocab_size), True)
                 added = wanted
             scores = adjusted[:, slot]  # [R, V]
-            penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-            adjusted[:, slot] = torch.where(seen[:, :vocab_size], penalised, scores)
+            adjusted[:, slot] = torch.where(seen[:, :vocab_size], _penalised(scores, params), scores)
     if batch.min_new_tokens > 0 and batch.has_eos():
         new_before = batch.num_generated[rows][:, None] + seen_extra + np.arange(num_slots)  # [R, S]
         blocked = new_before < batch.min_new_tokens  # [R, S]
@@ -86,13 +91,11 @@ def apply_tree_token_rules(logits: torch.Tensor, batch: BatchState, rows: np.nda
     adjusted = logits.to(torch.float32, copy=True)  # [R, S, V]
     no_node = torch.zeros_like(reach[:, :1])  # [R, 1, N]: slot 0 follows the root alone
     before_slot = torch.cat([no_node, reach], dim=1)  # [R, S, N]: the nodes each slot's token follows
-    penalty = _penalty(params, adjusted)  # [R, 1, 1] per row
-    if penalty is not None:
+    if penalises_repeats(params):
         seen = committed_tokens_seen(batch, rows, vocab_size, device)[:, None, :].repeat(1, num_slots, 1)  # [R, S, V+1]
         index = torch.where(before_slot, token_ids[:, None, :], PAD_ID)  # [R, S, N]
         seen.scatter_(2, _with_spare_column(index, vocab_size), True)
-        penalised = torch.where(adjusted < 0, adjusted * penalty, adjusted / penalty)
-        adjusted = torch.where(seen[..., :vocab_size], penalised, adjusted)
+        adjusted = torch.where(seen[..., :vocab_size], _penalised(adjusted, params), adjusted)
     if batch.min_new_tokens > 0 and batch.has_eos():
         generated = to_device(batch.num_generated[rows], device)  # [R]
         blocked = generated[:, None] + before_slot.sum(dim=2) < batch.min_new_tokens  # [R, S]

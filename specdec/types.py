@@ -85,10 +85,12 @@ class RowSampling:
     """
 
     temperature: torch.Tensor  # [R] float32, 1 on greedy rows
+    inv_temperature: torch.Tensor  # [R] float32, 1 / temperature rounded in float32 (see ``divide``)
     is_greedy: torch.Tensor  # [R] bool
     top_k: torch.Tensor  # [R] int64, NO_TOP_K: no cut
     top_p: torch.Tensor  # [R] float32, inf: no cut
     penalty: torch.Tensor  # [R] float32, 1: no repetition penalty
+    inv_penalty: torch.Tensor  # [R] float32, 1 / penalty rounded in float32
     greedy: bool  # host: every row greedy
     cuts_top_k: bool  # host: some row cuts to its top k
     cuts_top_p: bool  # host: some row cuts to its top p
@@ -100,7 +102,7 @@ class RowSampling:
         BatchState keeps these per row, ``of`` turns them into tensors."""
         if params.greedy:
             return 0.0, float(NO_TOP_K), math.inf, _neutral_penalty(params.repetition_penalty)
-        top_k = float(NO_TOP_K) if params.top_k is None else float(params.top_k)
+        top_k = float(NO_TOP_K) if params.top_k is None or params.top_k >= NO_TOP_K else float(params.top_k)
         top_p = math.inf if params.top_p is None or params.top_p >= 1.0 else float(params.top_p)
         return float(params.temperature), top_k, top_p, _neutral_penalty(params.repetition_penalty)
 
@@ -111,23 +113,37 @@ class RowSampling:
         temperature, top_k, top_p, penalty = (rows[:, i] for i in range(4))
         greedy = temperature == 0.0
         floats = np.stack([np.where(greedy, 1.0, temperature), top_p, penalty]).astype(np.float32)  # [3, R]
+        inverses = np.float32(1.0) / floats[[0, 2]]  # [2, R] IEEE float32 reciprocals, as ATen's host code rounds them
+        floats = np.concatenate([floats, inverses])  # [5, R]
         float_bits, top_k_t, greedy_t = to_device_many([floats.view(np.int32), top_k.astype(np.int64), greedy],
                                                        torch.device(device))
-        temperature_t, top_p_t, penalty_t = float_bits.int().view(torch.float32)
-        return cls(temperature=temperature_t, is_greedy=greedy_t.bool(), top_k=top_k_t, top_p=top_p_t,
-                   penalty=penalty_t, greedy=bool(greedy.all()), cuts_top_k=bool((top_k[~greedy] < NO_TOP_K).any()),
+        temperature_t, top_p_t, penalty_t, inv_temperature_t, inv_penalty_t = float_bits.int().view(torch.float32)
+        return cls(temperature=temperature_t, inv_temperature=inv_temperature_t, is_greedy=greedy_t.bool(),
+                   top_k=top_k_t, top_p=top_p_t, penalty=penalty_t, inv_penalty=inv_penalty_t,
+                   greedy=bool(greedy.all()), cuts_top_k=bool((top_k[~greedy] < NO_TOP_K).any()),
                    cuts_top_p=bool(np.isfinite(top_p[~greedy]).any()), penalises=bool((penalty != 1.0).any()))
 
     def take(self, index: torch.Tensor) -> "RowSampling":
         """The rows ``index`` ([R'] device indices) of these; the host flags stay (a superset)."""
-        return RowSampling(temperature=self.temperature[index], is_greedy=self.is_greedy[index],
-                           top_k=self.top_k[index], top_p=self.top_p[index], penalty=self.penalty[index],
+        return RowSampling(temperature=self.temperature[index], inv_temperature=self.inv_temperature[index],
+                           is_greedy=self.is_greedy[index], top_k=self.top_k[index], top_p=self.top_p[index],
+                           penalty=self.penalty[index], inv_penalty=self.inv_penalty[index],
                            greedy=self.greedy, cuts_top_k=self.cuts_top_k, cuts_top_p=self.cuts_top_p,
                            penalises=self.penalises)
 
     def per_row(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``values`` [R] shaped to broadcast against ``like`` [R, ...]."""
         return values.view(-1, *([1] * (like.dim() - 1)))
+
+    def divide(self, x: torch.Tensor, divisors: torch.Tensor, reciprocals: torch.Tensor) -> torch.Tensor:
+        """x [R, ...] float32 divided by each row's divisor [R], rounded exactly as dividing x by
+        that row's value as one Python float rounds on x's device, which the uniform path does: on
+        CUDA, ATen divides a tensor by a CPU scalar as x * (1 / b), the reciprocal rounded to float32
+        on the host (div_true_kernel_cuda), which can differ from x / b in the last bit; elsewhere
+        it divides. So a row's numbers are bit-for-bit those of its own SamplingParams."""
+        if x.device.type == "cuda":
+            return x * self.per_row(reciprocals, x)
+        return x / self.per_row(divisors, x)
 
 
 def _neutral_penalty(penalty: float | None) -> float:

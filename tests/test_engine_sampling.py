@@ -264,6 +264,38 @@ def test_bad_sampling_gets_a_clear_error(model):
             engine.add_request([1, 2], 4, {"temperature": 0.5})
         with pytest.raises(TypeError, match="seed is its own argument"):
             engine.add_request([1, 2], 4, 7)  # the seed where the sampling now goes
-        with pytest.raises(ValueError, match="temperature must be >= 0"):
-            engine.add_request([1, 2], 4, SamplingParams(temperature=-1.0))
+        with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+            engine.add_request([1, 2], 4, np.array([0.5, 1.0]))  # not compared with the engine's first
         assert engine.num_waiting == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_per_row_division_rounds_as_one_python_float_does_on_the_device(device):
+    """The uniform path divides by a Python float (temperature, repetition penalty); on CUDA ATen
+    computes that as x * (1 / b) with a float32 reciprocal, which differs from x / b in the last
+    bit for about a quarter of inputs. RowSampling.divide must give each row exactly that."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    values = [1.3, 0.7, 1.5, 0.9, 2.0 / 3.0]
+    params = [SamplingParams(temperature=t, repetition_penalty=1 / t) for t in values]
+    rows = RowSampling.of(np.array([RowSampling.host_rows(p) for p in params]), device)
+    x = torch.randn(len(values), 4096, generator=torch.Generator().manual_seed(0)).to(device) * 8  # [R, V]
+    by_temperature = rows.divide(x, rows.temperature, rows.inv_temperature)
+    by_penalty = rows.divide(x, rows.penalty, rows.inv_penalty)
+    for i, p in enumerate(params):
+        assert torch.equal(by_temperature[i], x[i] / p.temperature)
+        assert torch.equal(by_penalty[i], x[i] / p.repetition_penalty)
+    if device == "cuda":  # the check has teeth: true division differs somewhere
+        assert not torch.equal(x / rows.per_row(rows.temperature, x), by_temperature)
+
+
+def test_a_top_k_beyond_int64_cuts_nothing_beside_rows_that_cut(model):
+    prompts = random_prompts(2, VOCAB, seed=41, min_len=3, max_len=6)
+    huge, small = SamplingParams(temperature=0.9, top_k=2**64), SamplingParams(temperature=0.9, top_k=3)
+    with Engine(model, policy=FixedPolicy(0), max_rows=2, max_len=32, eos_token_id=[]) as engine:
+        ids = [engine.add_request(p, 6, s, seed=i) for i, (p, s) in enumerate(zip(prompts, (huge, small)))]
+        done = {}
+        while engine.has_work():
+            done.update((d.id, d.token_ids) for d in engine.step())
+    for i, (p, s) in enumerate(zip(prompts, (huge, small))):
+        assert done[ids[i]] == generate(model, [p], max_new_tokens=6, sampling=s, seed=[i], eos_token_id=[]).sequences[0]
