@@ -162,7 +162,7 @@ def test_rows_of_each_params_follow_their_own_processed_distribution():
     first two tokens is enumerated from the model. Chi-square over the 64 cells (expected counts
     below 5 pooled) for each group against its own joint: p > 1e-3. Negative controls: each
     group's counts must be rejected (p < 1e-3) against the other group's joint, the engine
-    default's would-be joint at temperature 1.0, and its own joint with 0.05 moved between its
+    joint at plain temperature 1.0 (no cut), and its own joint with 0.05 moved between its
     two likeliest cells."""
     target = make_model("llama", vocab_size=SMALL_VOCAB, seed=4, dtype=torch.float32)
     drafter = ModelDrafter(perturbed_copy(target, scale=0.6, seed=2))
