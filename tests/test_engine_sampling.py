@@ -161,7 +161,7 @@ def test_rows_of_each_params_follow_their_own_processed_distribution():
     (requests interleaved; the engine's default is greedy). V = 8, so the exact joint of the
     first two tokens is enumerated from the model. Chi-square over the 64 cells (expected counts
     below 5 pooled) for each group against its own joint: p > 1e-3. Negative controls: each
-    group's counts must be rejected (p < 1e-3) against the other group's joint, the engine
+    group's counts must be rejected (p < 1e-3) against the other group's joint, the
     joint at plain temperature 1.0 (no cut), and its own joint with 0.05 moved between its
     two likeliest cells."""
     target = make_model("llama", vocab_size=SMALL_VOCAB, seed=4, dtype=torch.float32)
