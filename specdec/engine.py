@@ -144,6 +144,7 @@ class Engine:
         graph_shape = (max_draft + 1, max_rows * (max_draft + 1)) if cuda_graphs else None
         self._group = tensor_parallel_group(target)  # None unless the target is sharded over processes
         self.recorder = StatsRecorder(max_rows, max_draft)
+        self._prefill_passes, self._prefill_s = 0, 0.0  # admitting steps and their host seconds (load_stats)
         self._timer = PhaseTimer(self.device)
         self._waiting: collections.deque[_Request] = collections.deque()  # first come, first served
         self._rows: list[_Request | None] = [None] * max_rows  # the request each row holds
@@ -288,6 +289,7 @@ class Engine:
         decoding step after it (StepRecord.step_time_s, which policies learn from)."""
         rows = self._admit()
         if rows.size:
+            started = time.perf_counter()
             try:
                 self._prefill(rows)
             except BaseException:  # (out of memory, say) the rows hold no valid cache: back to the queue
@@ -300,7 +302,19 @@ class Engine:
                 raise
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            self._prefill_passes += 1
+            self._prefill_s += time.perf_counter() - started
         return rows
+
+    def load_stats(self) -> dict:
+        """What the steps so far cost, whichever requests they served (a serving run's diagnosis):
+        steps, row_steps (active rows summed over steps), drafted and emitted tokens, host seconds
+        of the steps (step_s, of which plan_s in the policy) and the draft and verify phases'
+        device seconds; prefill_passes (admitting steps) and their seconds (prefill_s)."""
+        r = self.recorder
+        return dict(steps=r.num_steps, row_steps=r.row_steps, drafted=r.drafted_tokens, emitted=r.emitted_tokens,
+                    step_s=r.step_time_s, plan_s=r.plan_time_s, draft_s=r.draft_time_s, verify_s=r.verify_time_s,
+                    prefill_passes=self._prefill_passes, prefill_s=self._prefill_s)
 
     def _admit(self) -> np.ndarray:
         if not self._waiting:  # most steps: nothing to admit, no scan of the rows

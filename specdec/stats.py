@@ -182,6 +182,9 @@ class StatsRecorder:
         self.num_steps = 0
         self.draft_time_s = self.verify_time_s = 0.0
         self.target_tokens = self.padding_tokens = 0
+        # since the recorder began, whatever rows held: what a serving run's steps cost (Engine.load_stats)
+        self.row_steps = self.drafted_tokens = self.emitted_tokens = 0
+        self.step_time_s = self.plan_time_s = 0.0
 
     def record(self, record: StepRecord, elapsed_s: float, finished: np.ndarray) -> None:
         self.num_steps += 1
@@ -200,6 +203,11 @@ class StatsRecorder:
         self.verify_time_s += record.verify_time_s
         self.target_tokens += record.cost.target_tokens
         self.padding_tokens += record.cost.padding_tokens
+        self.row_steps += len(record.rows)
+        self.drafted_tokens += int(record.num_drafted.sum())
+        self.emitted_tokens += int(record.num_emitted.sum())
+        self.step_time_s += record.step_time_s or 0.0
+        self.plan_time_s += record.plan_time_s
 
     def start_rows(self, rows: np.ndarray) -> None:
         """Rows ``rows`` begin new requests: their counts start again from zero."""

@@ -77,26 +77,44 @@ def engine_for(zoo, drafter_name: str | None, policy, settings: ServeSettings) -
                   cuda_graphs=settings.graphs, max_new_tokens=settings.max_new_tokens)
 
 
-def serve(zoo, drafter_name, policy, prompts, arrivals, settings: ServeSettings) -> tuple[list, list[list[int]]]:
-    """One trace on a fresh engine -> (each request's RequestTiming, outputs)."""
+def serve(zoo, drafter_name, policy, prompts, arrivals, settings: ServeSettings) -> tuple[list, list[list[int]], dict]:
+    """One trace on a fresh engine -> (each request's RequestTiming, outputs, Engine.load_stats)."""
     with engine_for(zoo, drafter_name, policy, settings) as engine:
         served = replay(engine, prompts, arrivals, settings.max_new_tokens)
-    return [s.timing for s in served], [s.result.token_ids for s in served]
+        costs = engine.load_stats()
+    return [s.timing for s in served], [s.result.token_ids for s in served], costs
 
 
-def pooled(traces: list[list]) -> dict:
+def step_costs(costs: list[dict]) -> dict:
+    """Engine.load_stats of one or more traces -> what an average step did and cost: active rows,
+    draft tokens per row-step, tau (emitted per row-step), host ms per step and of it in the
+    policy's plan, device ms of the draft and verify phases, prefill passes per trace and host
+    ms per pass."""
+    total = {key: sum(c[key] for c in costs) for key in costs[0]}
+    steps, row_steps, passes = max(total["steps"], 1), max(total["row_steps"], 1), max(total["prefill_passes"], 1)
+    return dict(steps=total["steps"] / len(costs), rows_per_step=total["row_steps"] / steps,
+                draft_per_row_step=total["drafted"] / row_steps, tau=total["emitted"] / row_steps,
+                step_ms=1000 * total["step_s"] / steps, plan_ms=1000 * total["plan_s"] / steps,
+                draft_ms=1000 * total["draft_s"] / steps, verify_ms=1000 * total["verify_s"] / steps,
+                prefill_passes=total["prefill_passes"] / len(costs), prefill_ms=1000 * total["prefill_s"] / passes)
+
+
+def pooled(traces: list[list], costs: list[dict]) -> dict:
     """Latency statistics over the requests of every trace; throughput and span as the mean over
-    traces (each trace has its own clock); ``trace_mean_latency_s``: each trace's mean latency."""
+    traces (each trace has its own clock); ``trace_mean_latency_s``: each trace's mean latency;
+    ``costs``: step_costs over the traces."""
     summaries = [summarize(timings) for timings in traces]
     summary = summarize([t for timings in traces for t in timings])
     for key in ("span_s", "tokens_per_s", "requests_per_s"):
         summary[key] = float(np.mean([s[key] for s in summaries]))
     summary["trace_mean_latency_s"] = [s["latency_s"]["mean"] for s in summaries]
+    summary["costs"] = step_costs(costs)
     return summary
 
 
-def static_throughput(zoo, drafter_name, k, prompts, settings: ServeSettings) -> float:
-    """Tokens per second of static generate() batches of ``max_rows`` requests, one after another."""
+def static_throughput(zoo, drafter_name, k, prompts, settings: ServeSettings) -> tuple[float, int]:
+    """Tokens per second of static generate() batches of ``max_rows`` requests, one after another,
+    and their steps in all."""
     drafter = drafter_for(zoo, drafter_name, settings)
     chunks = [prompts[i : i + settings.max_rows] for i in range(0, len(prompts), settings.max_rows)]
     options = dict(drafter=drafter, policy=FixedPolicy(k), max_new_tokens=settings.max_new_tokens,
@@ -105,10 +123,11 @@ def static_throughput(zoo, drafter_name, k, prompts, settings: ServeSettings) ->
     if settings.graphs:
         torch.cuda.synchronize()
     started = time.perf_counter()
-    tokens = sum(len(s) for chunk in chunks for s in generate(zoo.target, chunk, **options).sequences)
+    outs = [generate(zoo.target, chunk, **options) for chunk in chunks]
     if settings.graphs:
         torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return sum(len(s) for out in outs for s in out.sequences) / seconds, sum(out.stats.steps for out in outs)
 
 
 def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
@@ -130,7 +149,7 @@ def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
           settings)  # warm-up: the first engine's eager kernels and allocations, untimed
     speeds = {}
     for name in zoo.drafters:  # the drafter of the fixed lengths: the fastest at k = 3, saturated
-        timings, _ = serve(zoo, name, FixedPolicy(3), prompts, at_once, settings)
+        timings, _, _ = serve(zoo, name, FixedPolicy(3), prompts, at_once, settings)
         speeds[name] = summarize(timings)["tokens_per_s"]
         log(f"drafter {name}: {speeds[name]:.0f} tok/s saturated at k=3")
     drafter = max(speeds, key=speeds.get)
@@ -151,12 +170,13 @@ def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
     outputs = {}
     for method in methods:
         name, make = policies[method]
-        timings, outputs[method] = serve(zoo, name, make(), prompts, at_once, settings)
+        timings, outputs[method], costs = serve(zoo, name, make(), prompts, at_once, settings)
         summary = summarize(timings)
         k = FIXED.get(method)
-        static = static_throughput(zoo, name, k, prompts, settings) if k is not None else None
+        static, static_steps = static_throughput(zoo, name, k, prompts, settings) if k is not None else (None, None)
         result["saturation"].append(dict(method=method, engine_tokens_per_s=summary["tokens_per_s"],
                                          requests_per_s=summary["requests_per_s"], static_tokens_per_s=static,
+                                         static_steps=static_steps, costs=step_costs([costs]),
                                          identical=outputs[method] == outputs["plain"]))
         log(f"saturated {method}: engine {summary['tokens_per_s']:.0f} tok/s"
             + (f", static generate() {static:.0f} tok/s" if static else ""))
@@ -166,17 +186,18 @@ def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
 
     for load_fraction in settings.loads:
         rate = load_fraction * capacity
-        traces, identical = {m: [] for m in methods}, {m: True for m in methods}
+        traces, costs, identical = {m: [] for m in methods}, {m: [] for m in methods}, {m: True for m in methods}
         for repeat in range(settings.repeats):
             arrivals = poisson_arrivals(rate, len(prompts), seed=settings.seed + repeat)
             turn = repeat % len(methods)  # rotate the order, so no method always runs first
             for method in methods[turn:] + methods[:turn]:
                 name, make = policies[method]
-                timings, got = serve(zoo, name, make(), prompts, arrivals, settings)
+                timings, got, cost = serve(zoo, name, make(), prompts, arrivals, settings)
                 traces[method].append(timings)
+                costs[method].append(cost)
                 identical[method] &= got == outputs["plain"]
         for method in methods:
-            summary = pooled(traces[method])
+            summary = pooled(traces[method], costs[method])
             result["rows"].append(dict(load=load_fraction, rate=rate, method=method, identical=identical[method],
                                        **summary))
             log(f"load {load_fraction:.2f} ({rate:.1f} req/s) {method:<8} mean latency {summary['latency_s']['mean']:.3f} s"
@@ -226,11 +247,24 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['load']:.2f} | {r['rate']:.2f} | {r['method']} | {lat['mean']:.3f} | {lat['p50']:.3f} | "
                      f"{lat['p90']:.3f} | {lat['p99']:.3f} | {r['time_to_first_token_s']['mean']:.3f} | "
                      f"{1000 * r['time_per_output_token_s']['mean']:.2f} | {'yes' if r['identical'] else 'no'} |")
-    lines += ["", "| method | engine tok/s (saturated) | static generate() tok/s | identical |", "|---|---|---|---|"]
+    lines += ["", "| method | engine tok/s (saturated) | static generate() tok/s | engine / static steps | prefill "
+              "passes | identical |", "|---|---|---|---|---|---|"]
     for r in result["saturation"]:
         static = "-" if r["static_tokens_per_s"] is None else f"{r['static_tokens_per_s']:.0f}"
-        lines.append(f"| {r['method']} | {r['engine_tokens_per_s']:.0f} | {static} | "
+        steps = "-" if not r.get("static_steps") else f"{r['costs']['steps']:.0f} / {r['static_steps']}"
+        lines.append(f"| {r['method']} | {r['engine_tokens_per_s']:.0f} | {static} | {steps} | "
+                     f"{r['costs']['prefill_passes']:.0f} | "
                      f"{'-' if r['method'] == 'plain' else ('yes' if r['identical'] else 'no')} |")
+    lines += ["", "What a step did and cost (per step, averaged over the traces; host ms of the whole step and "
+              "of the policy's plan, device ms of the draft and verify phases; prefill: host ms per admitting pass):",
+              "", "| load | method | rows | draft / row | tau | step ms | plan ms | draft ms | verify ms | "
+              "prefill passes | prefill ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in [dict(r, load="sat.") for r in result["saturation"]] + result["rows"]:
+        c = r["costs"]
+        load = r["load"] if isinstance(r["load"], str) else f"{r['load']:.2f}"
+        lines.append(f"| {load} | {r['method']} | {c['rows_per_step']:.1f} | {c['draft_per_row_step']:.2f} | "
+                     f"{c['tau']:.2f} | {c['step_ms']:.2f} | {c['plan_ms']:.2f} | {c['draft_ms']:.2f} | "
+                     f"{c['verify_ms']:.2f} | {c['prefill_passes']:.0f} | {c['prefill_ms']:.2f} |")
     if result.get("targets"):
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in result["targets"]]

@@ -20,6 +20,14 @@ def test_a_smoke_run_on_the_tiny_zoo(tiny_zoo_root, tmp_path):
         assert len(r["trace_mean_latency_s"]) == 2
         assert r["latency_s"]["mean"] == pytest.approx(sum(r["trace_mean_latency_s"]) / 2)
     assert all(r["identical"] for r in result["saturation"])
+    for r in result["rows"] + result["saturation"]:  # what the steps did, from the engine's own counts
+        costs = r["costs"]
+        assert 1 <= costs["rows_per_step"] <= 2 and costs["prefill_passes"] >= 1
+        if r["method"] == "plain":
+            assert costs["draft_per_row_step"] == 0 and costs["tau"] == 1
+        if r["method"] == "k1":
+            assert 0 < costs["draft_per_row_step"] <= 1 and 1 <= costs["tau"] <= 2
+    assert "What a step did" in markdown(result)
     assert result["capacity_requests_per_s"] > 0
     half = [r for r in result["rows"] if r["load"] == 0.5]
     assert all(r["rate"] == pytest.approx(0.5 * result["capacity_requests_per_s"]) for r in half)
