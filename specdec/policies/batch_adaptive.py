@@ -153,7 +153,7 @@ class BatchAdaptivePolicy(Policy):
     @classmethod
     def from_measurements(cls, target, drafter, prompts, batch_sizes: Sequence[int] = (1, 4, 16, 64),
                           draft_lengths: Sequence[int] = (0, 1, 2, 3, 4, 6, 8), max_new_tokens: int = 32,
-                          objective: str = "calls", **profile_options) -> BatchAdaptivePolicy:
+                          objective: str = "calls", drafter_index: int = 0, **profile_options) -> BatchAdaptivePolicy:
         """The table from a short measured profile before serving, as the paper does
         (batch_profile.measure_round_times; ``profile_options``: its ``repeats``,
         ``requests_per_size`` and generate() options). ``objective="steps"`` is the paper's
@@ -161,7 +161,8 @@ class BatchAdaptivePolicy(Policy):
         kept full, as under continuous batching); ``objective="calls"`` (the default, the one
         static-batch option) takes the length of highest measured tokens per second of whole
         generate() calls (table_from_throughput), which counts a static batch's slowest rows (the
-        module docstring cites the measurement). The measurements are kept in ``profile``."""
+        module docstring cites the measurement). drafter_index: where ``drafter`` sits in the
+        drafters given to generate(). The measurements are kept in ``profile``."""
         from .batch_profile import measure_round_times  # profiling runs the loop; the policy does not
 
         if objective not in ("calls", "steps"):
@@ -172,7 +173,7 @@ class BatchAdaptivePolicy(Policy):
             table = table_from_throughput(tokens_per_s)
         else:
             table = build_table(batch_sizes, expected, lambda b, s: seconds[(int(b), int(s))])
-        policy = cls(table)
+        policy = cls(table, drafter_index=drafter_index)
         policy.profile = {"objective": objective, "expected_tokens": expected,
                           "seconds_per_step": {f"{b},{s}": t for (b, s), t in seconds.items()},
                           "tokens_per_s": {f"{b},{s}": v for (b, s), v in tokens_per_s.items()}}

@@ -132,7 +132,8 @@ def test_the_table_from_measurements_is_the_measured_argmax(objective):
     drafter = ModelDrafter(perturbed_copy(target, 0.05))
     prompts = random_prompts(4, target.config.vocab_size, seed=3)
     policy = BatchAdaptivePolicy.from_measurements(target, drafter, prompts, batch_sizes=(1, 4), draft_lengths=(0, 2, 4),
-                                                   max_new_tokens=8, objective=objective)
+                                                   max_new_tokens=8, objective=objective, drafter_index=1)
+    assert policy.drafter_index == 1  # where the profiled drafter sits among generate()'s drafters
     expected, seconds = policy.profile["expected_tokens"], policy.profile["seconds_per_step"]
     assert set(expected) == {0, 2, 4} and expected[0] == 1.0 and expected[4] > 1.0
     assert policy.profile["objective"] == objective
