@@ -163,6 +163,7 @@ def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
                              settings.prompt_tokens + settings.max_new_tokens), draft_lengths=(1, 2, 4, 5))
         cost_model = profile(zoo.target, [drafter_for(zoo, drafter, settings)],
                              grid=grid, cuda_graphs=settings.graphs, step_overhead=True)
+        result["cost_model"] = cost_model.as_dict()  # what GoodputPolicy predicted from (CostModel.from_dict)
         policies["goodput"] = (drafter, lambda: GoodputPolicy(cost_model, max_draft_tokens=5))
     # plain decoding first, always: the reference of every output and the capacity the loads scale
     methods = ["plain"] + [m for m in settings.methods if m in policies and m != "plain"]

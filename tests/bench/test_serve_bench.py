@@ -28,6 +28,9 @@ def test_a_smoke_run_on_the_tiny_zoo(tiny_zoo_root, tmp_path):
         if r["method"] == "k1":
             assert 0 < costs["draft_per_row_step"] <= 1 and 1 <= costs["tau"] <= 2
     assert "What a step did" in markdown(result)
+    from specdec.policies import CostModel
+
+    assert CostModel.from_dict(result["cost_model"]).num_drafters == 1  # GoodputPolicy's, kept for analysis
     assert result["capacity_requests_per_s"] > 0
     half = [r for r in result["rows"] if r["load"] == 0.5]
     assert all(r["rate"] == pytest.approx(0.5 * result["capacity_requests_per_s"]) for r in half)
