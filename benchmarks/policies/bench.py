@@ -664,6 +664,8 @@ def serve_history(target, policy: Policy, prompts: list[list[int]], batch: int, 
         generate(target, prompts[start : start + batch], policy=policy, max_new_tokens=max_new_tokens, **kwargs)
     if hasattr(policy, "end_call"):  # the last call's lesson in now, so learnt_state reads it
         policy.end_call()
+    if isinstance(policy, GoodputPolicy):  # likewise its last call's steps
+        policy.learn_now()
     return policy
 
 

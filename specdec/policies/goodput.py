@@ -135,6 +135,11 @@ class GoodputPolicy(Policy):
         if self._batch is not None:
             self._records.append(record)  # learnt from at the next decision (_learn)
 
+    def learn_now(self) -> None:
+        """Learn from the steps observed since the last decision now (the next decision would
+        anyway), e.g. to read the calibration after a call."""
+        self._learn()
+
     def _decide_interval(self, batch) -> Plan:
         """A decision: lengths for the active rows, kept (capped by each row's budget) until the next."""
         remaining = np.asarray(batch.remaining)  # [B]

@@ -91,8 +91,8 @@ def test_quick_run_writes_every_output_and_matches_plain_decoding(quick_run):
     # the history (--quick: 4 held-out requests, 2 at batch 1) taught each learning policy before its passes
     given = {w: t["acceptance_rate"] for w, t in result["tau_profile"].items()}  # the prior each policy was made with
     assert all(r["learnt_at_start"]["prior"] == pytest.approx(given[r["workload"]]) for r in goodput)
-    # a GoodputPolicy's step-time calibration is fed its history's steps, which a fresh policy's is not (a call's
-    # last steps at its next call's first plan: at batch 1 the history is two calls, at batch 8 one)
+    # a GoodputPolicy's step-time calibration is fed its history's steps, which a fresh policy's is not (at batch 8
+    # the history is one call of 3 steps, a catch-up and a switch, which calibrate nothing)
     assert all(r["learnt_at_start"]["calibrated_steps"] > 0 for r in goodput if r["batch"] == 1)
     assert result["reused_files"] == 0  # no profile or history request shares a file with a measured one
     batch_bandits = [r for r in rows if r["variant"] in ("batch-level", "batch-call")]

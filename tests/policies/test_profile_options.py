@@ -531,3 +531,18 @@ def test_finish_does_not_stop_drafting_on_a_first_probe_of_similar_rows(num_rows
             policy.observe(_record(asked, accepted + 1, None))  # no wall time: the model stays as given
         chosen.append(int(asked.max()))  # the plan after the probe
     assert min(chosen) >= 2, chosen
+
+
+def test_learn_now_folds_the_steps_since_the_last_decision_in_without_a_plan():
+    """With decide_every = 16 the steps after a decision wait for the next one; learn_now learns
+    from them at once (the calibration counts them), and a second call learns nothing more."""
+    model = CostModel.from_coefficients(c_fixed=1.0, c_tok=0.0, drafters=[{"steps": 0.05}])
+    policy = GoodputPolicy(model, max_draft_tokens=4, prior=0.8, decide_every=16)
+    batch = BatchState([np.arange(10)] * 2, 500, np.arange(2), np.zeros(0, dtype=np.int64))
+    _run_calibrated(policy, batch, 10, lambda asked: 1.0 + 0.05 * asked.max())
+    before = policy.calibration.steps_measured
+    policy.learn_now()
+    after = policy.calibration.steps_measured
+    assert after > before
+    policy.learn_now()
+    assert policy.calibration.steps_measured == after
