@@ -86,8 +86,9 @@ class Engine:
     """A speculative decoding engine over ``max_rows`` cache rows of ``max_len`` positions each
     (a request's prompt plus its max_new_tokens must fit). Components and options are those of
     generate(); stop sequences and min_new_tokens are the engine's, for every request, and so are
-    the sampling parameters and the EOS ids unless a request brings its own (``add_request``). max_new_tokens: the most any request may ask (default: max_len); caches and graphs
-    are sized for drafts no longer than that allows.
+    the sampling parameters and the EOS ids unless a request brings its own (``add_request``).
+    max_new_tokens: the most any request may ask (default: max_len); caches and graphs are sized
+    for drafts no longer than that allows.
 
     Use it as a context manager, or call ``close()``: while open it holds the target's (and the
     drafters') runners and caches, and the models' locks, taken by the thread that built it (step

@@ -83,6 +83,8 @@ def _process_rows(logits: torch.Tensor, params: RowSampling) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(dim=-1)
+    if not params.some_greedy:
+        return probs
     argmax = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).to(probs.dtype)  # from the logits' own dtype
     return torch.where(params.per_row(params.is_greedy, logits), argmax, probs)
 
@@ -173,7 +175,7 @@ def emitted_logprobs(target_logits: torch.Tensor, token_ids: torch.Tensor, param
         log_probs = target_logits.float().log_softmax(dim=-1)  # [R, K+1, V]
     else:
         log_probs = (process_logits(target_logits, params) if target_probs is None else target_probs).log()
-        if isinstance(params, RowSampling):
+        if isinstance(params, RowSampling) and params.some_greedy:
             log_probs = torch.where(params.per_row(params.is_greedy, log_probs),
                                     target_logits.float().log_softmax(dim=-1), log_probs)
     chosen = log_probs.gather(-1, token_ids.clamp(min=0)[..., None])[..., 0]  # [R, K+1]

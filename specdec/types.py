@@ -92,6 +92,7 @@ class RowSampling:
     penalty: torch.Tensor  # [R] float32, 1: no repetition penalty
     inv_penalty: torch.Tensor  # [R] float32, 1 / penalty rounded in float32
     greedy: bool  # host: every row greedy
+    some_greedy: bool  # host: some row greedy (its distribution is the point mass on its argmax)
     cuts_top_k: bool  # host: some row cuts to its top k
     cuts_top_p: bool  # host: some row cuts to its top p
     penalises: bool  # host: some row has a repetition penalty
@@ -120,16 +121,16 @@ class RowSampling:
         temperature_t, top_p_t, penalty_t, inv_temperature_t, inv_penalty_t = float_bits.int().view(torch.float32)
         return cls(temperature=temperature_t, inv_temperature=inv_temperature_t, is_greedy=greedy_t.bool(),
                    top_k=top_k_t, top_p=top_p_t, penalty=penalty_t, inv_penalty=inv_penalty_t,
-                   greedy=bool(greedy.all()), cuts_top_k=bool((top_k[~greedy] < NO_TOP_K).any()),
-                   cuts_top_p=bool(np.isfinite(top_p[~greedy]).any()), penalises=bool((penalty != 1.0).any()))
+                   greedy=bool(greedy.all()), some_greedy=bool(greedy.any()),
+                   cuts_top_k=bool((top_k[~greedy] < NO_TOP_K).any()), cuts_top_p=bool(np.isfinite(top_p[~greedy]).any()), penalises=bool((penalty != 1.0).any()))
 
     def take(self, index: torch.Tensor) -> "RowSampling":
         """The rows ``index`` ([R'] device indices) of these; the host flags stay (a superset)."""
         return RowSampling(temperature=self.temperature[index], inv_temperature=self.inv_temperature[index],
                            is_greedy=self.is_greedy[index], top_k=self.top_k[index], top_p=self.top_p[index],
                            penalty=self.penalty[index], inv_penalty=self.inv_penalty[index],
-                           greedy=self.greedy, cuts_top_k=self.cuts_top_k, cuts_top_p=self.cuts_top_p,
-                           penalises=self.penalises)
+                           greedy=self.greedy, some_greedy=self.some_greedy, cuts_top_k=self.cuts_top_k,
+                           cuts_top_p=self.cuts_top_p, penalises=self.penalises)
 
     def per_row(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``values`` [R] shaped to broadcast against ``like`` [R, ...]."""

@@ -34,7 +34,7 @@ from ..drafters import ModelDrafter, SelfSpeculativeDrafter, SPIReDrafter
 from ..long_context import long_context_prompts
 from ..policies import FixedPolicy
 from ..zoo import build, load
-from .report import provenance
+from .report import provenance, target_lines
 from .roofline import Hardware, PassCost, modelled_speedup
 
 
@@ -324,9 +324,7 @@ def markdown(result: dict) -> str:
         lines += ["", "| draft (k = 4) | tau |", "|---|---|"]
         lines += [f"| {entry['draft']} | {entry['tau']:.3f} |" for entry in result["tau_table"]]
     if result.get("targets"):
-        lines += ["", "| target | measured | met |", "|---|---|---|"]
-        lines += [f"| {t['target']} | {t['value']}{' (' + t['detail'] + ')' if t.get('detail') else ''} | "
-                  f"{'yes' if t['met'] else 'no'} |" for t in result["targets"]]
+        lines += ["", *target_lines(result["targets"])]
     return "\n".join(lines) + "\n"
 
 

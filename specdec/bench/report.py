@@ -7,6 +7,13 @@ import json
 from pathlib import Path
 
 
+def target_lines(targets: list[dict]) -> list[str]:
+    """A markdown table of targets (dicts of target, value, met and an optional detail)."""
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    return lines + [f"| {t['target']} | {t['value']}{' (' + t['detail'] + ')' if t.get('detail') else ''} | "
+                    f"{'yes' if t['met'] else 'no'} |" for t in targets]
+
+
 def provenance(env: dict) -> str:
     """Where a result came from: its command line, commit, time and device (harness.environment)."""
     device = env.get("gpu") or env.get("cpu") or "CPU"

@@ -42,7 +42,7 @@ from ..policies.profiling import ProfileGrid, profile
 from ..replay import replay
 from ..zoo import build, load
 from ..zoo.prompts import heldout_prompts
-from .report import provenance
+from .report import provenance, target_lines
 
 FIXED = {"plain": 0, "k1": 1, "k3": 3, "k5": 5}
 
@@ -267,8 +267,7 @@ def markdown(result: dict) -> str:
                      f"{c['tau']:.2f} | {c['step_ms']:.2f} | {c['plan_ms']:.2f} | {c['draft_ms']:.2f} | "
                      f"{c['verify_ms']:.2f} | {c['prefill_passes']:.0f} | {c['prefill_ms']:.2f} |")
     if result.get("targets"):
-        lines += ["", "| target | measured | met |", "|---|---|---|"]
-        lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in result["targets"]]
+        lines += ["", *target_lines(result["targets"])]
     return "\n".join(lines) + "\n"
 
 

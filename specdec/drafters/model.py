@@ -217,7 +217,7 @@ class ModelDrafter(Drafter):
             if greedy:
                 return scores.float().softmax(dim=-1)
             q = process_logits(scores, sampling)
-            if isinstance(sampling, RowSampling):
+            if isinstance(sampling, RowSampling) and sampling.some_greedy:
                 q = torch.where(sampling.per_row(sampling.is_greedy, q), scores.float().softmax(dim=-1), q)
             return q
         rows_t = to_device(rows, device)

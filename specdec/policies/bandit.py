@@ -23,11 +23,9 @@ learns from all but the first: a model drafter switched in first reads every tok
 
 ``objective="call"`` (batch scope) is the one option kept for static batches: the time slot is a
 whole generate() call, rewarded by the call's tokens per row over its seconds, so a drafter's
-stragglers count (a static batch lasts as long as its slowest row). In the grid of
-docs/experiment-log.md run 26 (BENCHMARKS.md §3; switch costs, since deleted, were on) its
-worst cell on ``mixed`` / ``copy`` / ``continuation`` ran at 0.82 / 0.96 / 0.70 of the best
-single drafter, per-step rewards' at 0.62 / 0.75 / 0.64. One sample per call, so its radius is narrower (CALL_EXPLORATION,
-CALL_PRIOR_SPREAD).
+stragglers count (a static batch lasts as long as its slowest row); kept because on static
+batches it measured ahead of per-step rewards (BENCHMARKS.md §3). One sample per call, so its
+radius is narrower (CALL_EXPLORATION, CALL_PRIOR_SPREAD).
 
 Invariant: the policy changes only which drafter proposes; the acceptance rule keeps the output
 the target's own whatever the choice. Cost: O(B x D) numpy work per step.

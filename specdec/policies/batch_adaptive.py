@@ -15,8 +15,7 @@ table takes, by default (``objective="calls"``, the one static-batch option), th
 highest measured tokens per second of whole calls at b (``table_from_throughput``):
 ``generate()`` runs static batches, which last until their slowest row is done, while the
 per-step formula assumes a batch kept full and so can favour a longer draft than pays per call
-(at batch 64 on ``copy`` the per-step table chose k = 8 where k = 4 ran 1.22x faster:
-docs/experiment-log.md runs 5 and 6; BENCHMARKS.md §3). Each step the policy looks up the number of active
+(BENCHMARKS.md §3). Each step the policy looks up the number of active
 rows: the entry of the nearest tabulated batch size on a log scale. With a CostModel, T(b, s)
 is the model's drafter time for b rows drafting s tokens plus its verify time for b rows of
 s + 1 tokens at a stated context length (the paper's known gap: the table ignores how context

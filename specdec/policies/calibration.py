@@ -1,6 +1,7 @@
 """Online correction of GoodputPolicy's step-time model by measured step wall times, always on:
-with it, GoodputPolicy ("finish") went from 0.83 / 0.84 of the best fixed length to 1.05 / 1.02
-at ``copy`` / ``continuation`` batch 64 (docs/experiment-log.md runs 21 and 22; BENCHMARKS.md §3).
+a model profiled once mis-predicts a host whose speed drifts, or a shape it was not fitted on,
+and a length chosen on a wrong step time is a wrong length (the measurement: BENCHMARKS.md §3).
+Cost: a few medians over short windows per decision.
 
 Invariant: scales are positive; with no measurement the calibrated model is the model.
 """

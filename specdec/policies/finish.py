@@ -2,10 +2,9 @@
 SmartSpec's). ``generate()`` runs static batches, which last until their slowest row is done; a
 longer draft that does not shorten the slowest row only makes every step dearer, which per-step
 goodput does not see. "finish" takes one length for every row, the one that minimises the
-predicted time until every active row is done (``call_times``). On ``continuation`` at batch 64
-it ran at 0.87 of the best fixed pair's tokens per second where per-step goodput ("exact") ran
-at 0.72 (grid of docs/experiment-log.md run 26, BENCHMARKS.md §3, with options since deleted).
-Under the Engine, whose batch stays full, "exact" is the paper's rule.
+predicted time until every active row is done (``call_times``). It is kept because on static
+batches it measured ahead of per-step goodput (BENCHMARKS.md §3). Under the Engine, whose batch
+stays full, "exact" is the paper's rule.
 
 The lowest rows' rates decide it, so each row's rate is read as a Beta posterior
 (``FinishRates``): its own counts, decayed by COUNT_DECAY per step with a trial (a memory of

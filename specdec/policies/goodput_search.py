@@ -51,11 +51,16 @@ def search_exact(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTime,
     ([depths, rows, lengths] arrays). gains: [A, K]; caps: [A]; start: [A] a choice to begin from
     (the last decision's): each depth starts from the better of it and plain decoding, a lower
     bound of the optimum, so a good start saves iterations."""
-    cumulative = cumulative_gains(np.asarray(gains, dtype=np.float64))  # [A, K+1]
+    return _search_exact(cumulative_gains(np.asarray(gains, dtype=np.float64)), caps, step_time, tolerance, start)
+
+
+def _search_exact(cumulative: np.ndarray, caps: np.ndarray, step_time: LinearStepTime, tolerance: float = 1e-12,
+                  start: np.ndarray | None = None, plain: float | None = None) -> np.ndarray:
+    """search_exact over the cumulative gains [A, K+1]; plain: G of plain decoding, if known."""
     num_rows, max_k = cumulative.shape[0], cumulative.shape[1] - 1
     caps = np.minimum(np.asarray(caps, dtype=np.int64), max_k)
     best_k = np.zeros(num_rows, dtype=np.int64)
-    best = _goodput(cumulative, best_k, step_time)
+    best = _goodput(cumulative, best_k, step_time) if plain is None else plain
     if start is not None:
         start = np.minimum(np.asarray(start, dtype=np.int64), caps)
         started = _goodput(cumulative, start, step_time)
@@ -125,7 +130,7 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
     plain = _goodput(cumulative, zeros, step_time)
     if len(caps) == 0 or caps.max() <= 0:
         return zeros, plain, plain
-    k = search_exact(gains, caps, step_time, start=start)
+    k = _search_exact(cumulative, caps, step_time, start=start, plain=plain)
     chosen = _goodput(cumulative, k, step_time)
     if chosen < (1.0 + min_gain) * plain:
         return zeros, plain, plain
