@@ -130,6 +130,18 @@ def static_throughput(zoo, drafter_name, k, prompts, settings: ServeSettings) ->
     return sum(len(s) for out in outs for s in out.sequences) / seconds, sum(out.stats.steps for out in outs)
 
 
+def goodput_cost_model(zoo, drafter_name: str, settings: ServeSettings):
+    """GoodputPolicy's CostModel: the target and the drafter profiled over the engine's shapes
+    (batch sizes up to max_rows, contexts from the prompt to prompt plus max_new_tokens)."""
+    grid = ProfileGrid.tiny() if not settings.graphs else ProfileGrid(
+        batch_sizes=tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= settings.max_rows} | {settings.max_rows})),
+        tokens_per_row=(1, 2, 4, 6),
+        context_lengths=(settings.prompt_tokens, settings.prompt_tokens + settings.max_new_tokens // 2,
+                         settings.prompt_tokens + settings.max_new_tokens), draft_lengths=(1, 2, 4, 5))
+    return profile(zoo.target, [drafter_for(zoo, drafter_name, settings)], grid=grid, cuda_graphs=settings.graphs,
+                   step_overhead=True)
+
+
 def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
     """The whole bench -> its result; ``save(result)`` is called after the saturation runs and after
     each rate, with what has been measured so far."""
@@ -156,13 +168,7 @@ def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
     result["drafter"] = drafter
     policies = {name: (None if k == 0 else drafter, lambda k=k: FixedPolicy(k)) for name, k in FIXED.items()}
     if "goodput" in settings.methods:
-        grid = ProfileGrid.tiny() if not cuda else ProfileGrid(
-            batch_sizes=tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= settings.max_rows} | {settings.max_rows})),
-            tokens_per_row=(1, 2, 4, 6),
-            context_lengths=(settings.prompt_tokens, settings.prompt_tokens + settings.max_new_tokens // 2,
-                             settings.prompt_tokens + settings.max_new_tokens), draft_lengths=(1, 2, 4, 5))
-        cost_model = profile(zoo.target, [drafter_for(zoo, drafter, settings)],
-                             grid=grid, cuda_graphs=settings.graphs, step_overhead=True)
+        cost_model = goodput_cost_model(zoo, drafter, settings)
         result["cost_model"] = cost_model.as_dict()  # what GoodputPolicy predicted from (CostModel.from_dict)
         policies["goodput"] = (drafter, lambda: GoodputPolicy(cost_model, max_draft_tokens=5))
     # plain decoding first, always: the reference of every output and the capacity the loads scale
