@@ -412,6 +412,12 @@ class ModelRunner:
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         # split-KV shares for the fast kernel: one count for every pass of this runner (triton_attention)
         self.kv_splits = 1 if attention != "fast" else _split_count(max_rows, kv_heads, max_len, self.device)
+        if attention == "fast":  # no kernel compiled mid-decoding (triton_attention.compile_variants)
+            from .triton_attention import compile_variants
+
+            heads = text_config.num_attention_heads
+            head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+            compile_variants(heads, kv_heads, head_dim, max_len, self.kv_splits, model.dtype, self.device)
         self.graphs = None
         self._checked_layers = False
         self.in_use = False  # a drafter holds it for a call (drafters.model: one runner per drafter in a call)

@@ -62,7 +62,10 @@ def _attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, stride_k_pos, stride_
     return m_new, l_i, acc
 
 
-@triton.jit
+# the kernel's integer arguments that vary from pass to pass (they scale with its token count):
+# Triton would otherwise compile a variant per divisibility of each by 16, on first sight, which
+# stalls a serving engine for about half a second the first time a pass of a new parity runs
+@triton.jit(do_not_specialize=["stride_q_head", "stride_p_split", "window"])
 def _packed_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     token_positions_ptr, group_rows_ptr, group_first_token_ptr, group_counts_ptr,
@@ -229,3 +232,28 @@ def split_count(max_rows: int, kv_heads: int, max_len: int, device: torch.device
     while programs * splits * 2 <= 2 * processors and max_len // (splits * 2) >= MIN_SHARE:
         splits *= 2
     return splits
+
+
+_compiled: set[tuple] = set()  # the shapes compile_variants has run for in this process
+
+
+def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_len: int, kv_splits: int,
+                     dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the kernel's variants a causal pass of a runner of this shape may take (one per
+    block of query rows: 16, 32 or 64, by the pass's largest group), now rather than on first
+    sight, which costs about half a second: in a serving engine, a row that catches up a few
+    tokens after idle steps would otherwise stall every request in flight. Runs each on one
+    scratch group (a cache row of zeros of the runner's length, so the strides are the runner's);
+    once per shape and process."""
+    key = (num_heads, num_kv_heads, head_dim, max_len, kv_splits, dtype, str(device))
+    if key in _compiled:
+        return
+    heads_per_kv = num_heads // num_kv_heads
+    cache = torch.zeros(1, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # [1, Hkv, L, D]
+    for tokens in sorted({min(1 + rows // heads_per_kv, max_len) for rows in (0, 16, 32)}):
+        query = torch.zeros(1, num_heads, tokens, head_dim, dtype=dtype, device=device)[0].transpose(0, 1)  # [N, H, D]
+        index = torch.zeros(1, dtype=torch.int64, device=device)
+        packed_attention(query, cache, cache, torch.arange(tokens, device=device), index, index,
+                         torch.full((1,), tokens, dtype=torch.int64, device=device), tokens, 1.0, None,
+                         kv_splits=kv_splits)
+    _compiled.add(key)

@@ -118,3 +118,36 @@ def test_generation_with_the_fast_backend_equals_hugging_face(arch, drafter_kind
 def test_fast_backend_refuses_cpu():
     with pytest.raises(ValueError, match="fast attention backend runs on CUDA"):
         generate(make_model("llama"), [[1, 2]], max_new_tokens=2, attention="fast")
+
+
+def _compiled_kernel_variants() -> int | None:
+    """How many variants of the fast attention kernel this process has compiled (None where this
+    Triton keeps them where we do not look)."""
+    from specdec.triton_attention import _packed_attention_kernel
+
+    caches = getattr(_packed_attention_kernel, "device_caches", None)
+    if not isinstance(caches, dict):
+        return None
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.cuda
+def test_eager_passes_compile_no_kernel_once_the_runner_is_built():
+    """A runner compiles the kernel's variants when built: an eager pass of any group size or
+    token parity afterwards (a catch-up of a few tokens, a prefill of an odd count) compiles
+    nothing, so a serving engine does not stall half a second on first sight of one."""
+    from specdec.runner import ModelRunner
+
+    target = make_model("llama", dtype=torch.bfloat16, device="cuda")
+    runner = ModelRunner(target, max_rows=4, max_len=96, attention="fast")
+    before = _compiled_kernel_variants()
+    if before is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    for counts in ([1], [2], [3, 2], [7], [17], [20, 13], [33], [40, 1, 2]):
+        counts = np.array(counts, dtype=np.int64)
+        rows = np.arange(len(counts), dtype=np.int64)
+        layout = PackedLayout(rows=rows, starts=np.zeros(len(counts), dtype=np.int64), counts=counts)
+        token_ids = torch.randint(0, target.config.vocab_size, (int(counts.sum()),), device="cuda")
+        runner.forward(token_ids, layout)
+    torch.cuda.synchronize()
+    assert _compiled_kernel_variants() == before
