@@ -225,7 +225,8 @@ class GraphedForward:
         self.runner._check_every_layer_ran()  # capturing wrote to the scratch row only
 
     def fits(self, counts: np.ndarray) -> bool:
-        return len(self.graphs) > 0 and int(counts.max()) <= self.max_group_tokens and int(counts.sum()) <= self.max_tokens
+        return (len(self.graphs) > 0 and int(counts.max()) <= self.max_group_tokens and int(counts.sum()) <= self.max_tokens
+                and len(counts) < self.max_groups)
 
     def run(self, input_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
             bucket: int | None = None, tree=None, sparse=None) -> torch.Tensor:

@@ -246,3 +246,27 @@ def test_requests_with_their_own_sampling_under_graphs():
             assert first[i] == hf_greedy(target, prompt, 20)
     # the sampled requests did sample (a random tiny model's distributions are flat)
     assert any(first[i] != hf_greedy(target, prompts[i], 20) for i in (1, 2, 5, 6))
+
+
+def test_an_engine_admitting_one_request_at_a_time_prefills_by_graph_replays():
+    """Refills prefill their prompts in groups of the graphs' size by replays, not eager passes,
+    and every request still gets the target's greedy output, as under an engine without graphs."""
+    from specdec import Engine
+
+    target = make_model("llama", dtype=torch.float32, device="cuda")
+    prompts = random_prompts(6, target.config.vocab_size, seed=8, max_len=30)
+    outputs = {}
+    for graphs in (True, False):
+        drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=graphs)
+        with Engine(target, drafter, policy=FixedPolicy(3), max_rows=2, max_len=64, attention="fast",
+                    cuda_graphs=graphs, eos_token_id=[]) as engine:
+            ids = [engine.add_request(p, max_new_tokens=4 + i) for i, p in enumerate(prompts)]  # rows finish apart
+            finished = {}
+            while engine.has_work():
+                eager = engine.runner.eager_passes
+                admitted = engine.admit()
+                if graphs and len(admitted) == 1:  # one refill: a few replays
+                    assert engine.runner.eager_passes == eager
+                finished.update((done.id, done) for done in engine.step())
+            outputs[graphs] = [finished[i].token_ids for i in ids]
+    assert outputs[True] == outputs[False] == [hf_greedy(target, p, 4 + i) for i, p in enumerate(prompts)]
