@@ -12,8 +12,9 @@ On a zoo preset, side by side in one process:
 3. For each rate, ``repeats`` Poisson traces (seeded draws scaled to the rate; the same traces
    for every method, whose order rotates from one trace to the next) replayed in real time
    (specdec/replay.py) against plain decoding, fixed k = 1, 3, 5 with the chosen drafter (the zoo
-   drafter with the highest saturated throughput at k = 3) and GoodputPolicy (a cost model profiled
-   first): mean, p50, p90, p99 latency, time to first token, time per output token over the
+   drafter with the highest saturated throughput at k = 3), GoodputPolicy (a cost model profiled
+   first) and, as a diagnostic, GoodputPolicy on that cost model alone ("goodput-model": no
+   online calibration of the step time): mean, p50, p90, p99 latency, time to first token, time per output token over the
    requests of every trace, and each trace's mean latency. Greedy; every output is compared with
    plain decoding's.
 
@@ -38,6 +39,7 @@ from .. import Engine, generate
 from ..drafters import ModelDrafter
 from ..load import poisson_arrivals, summarize
 from ..policies import FixedPolicy, GoodputPolicy
+from ..policies.calibration import StepTimeCalibration
 from ..policies.profiling import ProfileGrid, profile
 from ..replay import replay
 from ..zoo import build, load
@@ -45,6 +47,24 @@ from ..zoo.prompts import heldout_prompts
 from .report import provenance, target_lines
 
 FIXED = {"plain": 0, "k1": 1, "k3": 3, "k5": 5}
+GOODPUT = ("goodput", "goodput-model")  # GoodputPolicy as built, and on its profiled cost model alone
+
+
+class ModelOnlyCalibration(StepTimeCalibration):
+    """A diagnostic for "goodput-model": no online correction of the cost model and no plain
+    probes, so the policy weighs drafting exactly as profiled (SmartSpec's own setting)."""
+
+    def apply(self, step_time, num_rows):
+        return step_time
+
+    def wants_plain_probe(self, num_rows: int) -> bool:
+        return False
+
+
+def model_only_goodput(cost_model) -> GoodputPolicy:
+    policy = GoodputPolicy(cost_model, max_draft_tokens=5)
+    policy.calibration = ModelOnlyCalibration()
+    return policy
 
 
 @dataclass
@@ -56,7 +76,7 @@ class ServeSettings:
     max_new_tokens: int = 128
     max_rows: int = 16
     loads: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1)  # fractions of plain decoding's capacity
-    methods: tuple[str, ...] = ("plain", "k1", "k3", "k5", "goodput")
+    methods: tuple[str, ...] = ("plain", "k1", "k3", "k5", *GOODPUT)
     zoo_dir: str | None = None
     seed: int = 0
     repeats: int = 1  # Poisson traces per rate (seeds seed, seed + 1, ...)
@@ -167,10 +187,11 @@ def run(settings: ServeSettings, log=print, save=lambda result: None) -> dict:
     drafter = max(speeds, key=speeds.get)
     result["drafter"] = drafter
     policies = {name: (None if k == 0 else drafter, lambda k=k: FixedPolicy(k)) for name, k in FIXED.items()}
-    if "goodput" in settings.methods:
+    if any(m in GOODPUT for m in settings.methods):
         cost_model = goodput_cost_model(zoo, drafter, settings)
         result["cost_model"] = cost_model.as_dict()  # what GoodputPolicy predicted from (CostModel.from_dict)
         policies["goodput"] = (drafter, lambda: GoodputPolicy(cost_model, max_draft_tokens=5))
+        policies["goodput-model"] = (drafter, lambda: model_only_goodput(cost_model))
     # plain decoding first, always: the reference of every output and the capacity the loads scale
     methods = ["plain"] + [m for m in settings.methods if m in policies and m != "plain"]
 
@@ -223,9 +244,10 @@ def targets(result: dict) -> list[dict]:
     loads = sorted({r["load"] for r in result["rows"]})
     for load_fraction in loads:
         cell = {r["method"]: r["latency_s"]["mean"] for r in result["rows"] if r["load"] == load_fraction}
-        if "goodput" not in cell or len(cell) < 2:
+        others = [v for m, v in cell.items() if m not in GOODPUT]
+        if "goodput" not in cell or not others:
             continue
-        best = min(v for m, v in cell.items() if m != "goodput")
+        best = min(others)
         ratio = cell["goodput"] / best
         out.append(dict(target=f"load {load_fraction:.2f}: GoodputPolicy mean latency within 5% of the best other",
                         value=round(ratio, 3), met=ratio <= 1.05))
@@ -308,7 +330,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-rows", type=int, default=defaults.max_rows)
     parser.add_argument("--loads", default=",".join(map(str, defaults.loads)),
                         help="request rates as fractions of plain decoding's saturated rate")
-    parser.add_argument("--methods", default=",".join(defaults.methods), help="of plain,k1,k3,k5,goodput")
+    parser.add_argument("--methods", default=",".join(defaults.methods), help="of plain,k1,k3,k5,goodput,goodput-model")
     parser.add_argument("--repeats", type=int, default=defaults.repeats, help="Poisson traces per rate")
     parser.add_argument("--zoo-dir")
     parser.add_argument("--out", default=defaults.out)
@@ -316,9 +338,9 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     methods = tuple(args.methods.split(","))
-    unknown = [m for m in methods if m not in (*FIXED, "goodput")]
+    unknown = [m for m in methods if m not in (*FIXED, *GOODPUT)]
     if unknown:
-        parser.error(f"unknown methods {unknown}: choose from plain, k1, k3, k5, goodput")
+        parser.error(f"unknown methods {unknown}: choose from {', '.join((*FIXED, *GOODPUT))}")
     settings = ServeSettings(preset=args.preset, device=args.device, num_requests=args.num_requests,
                              prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                              max_rows=args.max_rows, loads=tuple(float(x) for x in args.loads.split(",")),

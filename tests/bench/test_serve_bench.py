@@ -8,13 +8,13 @@ from specdec.bench.serve import ServeSettings, main, markdown, run, targets
 
 def test_a_smoke_run_on_the_tiny_zoo(tiny_zoo_root, tmp_path):
     settings = ServeSettings(preset="tiny", device="cpu", num_requests=6, prompt_tokens=24, max_new_tokens=6,
-                             max_rows=2, loads=(0.5, 2.0), methods=("k1", "goodput"),  # plain always runs first
+                             max_rows=2, loads=(0.5, 2.0), methods=("k1", "goodput", "goodput-model"),  # plain first
                              zoo_dir=str(tiny_zoo_root / "tiny"), repeats=2, out=str(tmp_path))
     saved = []
     result = run(settings, log=lambda *_: None, save=lambda r: saved.append(len(r["rows"])))
-    assert saved == [0, 3, 6]  # after the saturation runs, then after each rate
+    assert saved == [0, 4, 8]  # after the saturation runs, then after each rate
     assert [(r["load"], r["method"]) for r in result["rows"]] == [
-        (0.5, "plain"), (0.5, "k1"), (0.5, "goodput"), (2.0, "plain"), (2.0, "k1"), (2.0, "goodput")]
+        (load, method) for load in (0.5, 2.0) for method in ("plain", "k1", "goodput", "goodput-model")]
     assert all(r["identical"] and r["requests"] == 12 for r in result["rows"])  # 6 requests in each of 2 traces
     for r in result["rows"]:  # pooled over equal-sized traces: the mean is the mean of the traces' means
         assert len(r["trace_mean_latency_s"]) == 2
@@ -45,6 +45,7 @@ def test_targets_compare_goodput_with_the_best_other_method_at_each_load():
         return dict(load=load, method=method, latency_s={"mean": latency})
 
     result = dict(rows=[row(0.1, "plain", 3.0), row(0.1, "k3", 1.5), row(0.1, "goodput", 1.56),
+                        row(0.1, "goodput-model", 1.0),  # a diagnostic of GoodputPolicy, not an "other" method
                         row(1.0, "plain", 9.0), row(1.0, "k3", 12.0), row(1.0, "goodput", 9.9)],
                   saturation=[dict(method="k3", engine_tokens_per_s=90.0, static_tokens_per_s=100.0)])
     found = {t["target"]: t for t in targets(result)}
@@ -59,3 +60,23 @@ def test_unknown_methods_are_refused():
         main(["--methods", "plain,k7"])
     with pytest.raises(SystemExit):
         main(["--repeats", "0"])
+
+
+def test_the_model_only_goodput_policy_never_corrects_its_cost_model():
+    """"goodput-model" weighs drafting as profiled, whatever the steps measured."""
+    import numpy as np
+
+    from specdec.bench.serve import model_only_goodput
+    from specdec.policies import CostModel
+    from specdec.policies.step_time import LinearStepTime
+    model = CostModel.from_coefficients(c_fixed=2.0, c_tok=0.01, c_kv=0.0, c_row=0.0,
+                                        drafters=[{"fixed": 0.4, "steps": 0.2, "tokens": 0.01}])
+    policy = model_only_goodput(model)
+    step_time = LinearStepTime.from_cost_model(model, np.full(2, 50))
+    k = np.array([3, 3])
+    for _ in range(3):  # drafting measured 3x dearer than modelled, beside plain steps as modelled
+        policy.calibration.observe(step_time, np.zeros(2, dtype=np.int64), [step_time.base] * 4)
+        policy.calibration.observe(step_time, k, [step_time.base + 3 * float(step_time.extra(k))] * 4)
+    assert policy.calibration.extra_scale  # the measurements were taken in
+    corrected = policy.calibration.apply(step_time, 2)
+    assert float(corrected(k)) == float(step_time(k)) and not policy.calibration.wants_plain_probe(2)
