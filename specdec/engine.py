@@ -349,14 +349,10 @@ class Engine:
         it), in graph replays where few suffice (prefill.py)."""
         rows = rows[(self.batch.prompt_lengths[rows] > 1) & ~self.batch.finished[rows]]
         if len(rows):
-            counts = self.batch.prompt_lengths[rows] - 1
-            token_ids = to_device(self.batch.packed_tokens(rows, np.zeros(len(rows), dtype=np.int64), counts),
-                                  self.device)  # [sum(counts)]
-            first = 0
-            for layout in prefill_passes(rows, counts, self._prefill_group, self.runner.graphs):
-                self.runner.forward(token_ids[first : first + layout.num_tokens], layout,
-                                    logits_indices=np.zeros(1, dtype=np.int64))
-                first += layout.num_tokens
+            for layout in prefill_passes(rows, self.batch.prompt_lengths[rows] - 1, self._prefill_group,
+                                         self.runner.graphs):
+                token_ids = self.batch.packed_tokens(layout.rows, layout.starts, layout.starts + layout.counts)  # [N]
+                self.runner.forward(to_device(token_ids, self.device), layout, logits_indices=np.zeros(1, dtype=np.int64))
 
     def _decode(self, stream) -> None:
         batch, timer = self.batch, self._timer
