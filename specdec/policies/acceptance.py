@@ -15,7 +15,8 @@ E[tau](k) = 1 + sum_{j<k} prod_{i<=j} a_i.
 
 Invariant: every estimate lies in [0, 1] and equals its prior until the (row, drafter) it
 describes has been observed; an update reads only ``StepRecord``s (host arrays): O(n x B) numpy
-work for n steps, no device synchronisation.
+work for n steps (one step: a Python loop over its rows, ``learn_step``), no device
+synchronisation.
 """
 
 from __future__ import annotations
@@ -63,16 +64,20 @@ def iid_marginal_gains(rate, max_draft_tokens: int) -> np.ndarray:
     return np.multiply.accumulate(np.repeat(rate[..., None], max_draft_tokens, axis=-1), axis=-1)
 
 
-def iid_gain_rows(rates: list[float], coverage: list[float], max_draft_tokens: int) -> list[list[float]]:
-    """iid_marginal_gains(rates, K) * coverage[:, None] as lists [A][K], in the same float
-    operations (a handful of rows costs less so than numpy's fixed cost per call)."""
+def iid_cumulative_rows(rates: list[float], coverage: list[float], max_draft_tokens: int) -> list[list[float]]:
+    """The cumulative gains [A][K+1] of iid_marginal_gains(rates, K) * coverage[:, None] (as
+    goodput_search.cumulative_gains sums them) as lists, in the same float operations: a handful
+    of rows costs less so than numpy's fixed cost per call."""
     rows = []
     for rate, share in zip(rates, coverage):
         rate = min(max(rate, 0.0), 1.0)  # np.clip's, NaN and -0.0 included
-        power, row = rate, []
-        for _ in range(max_draft_tokens):
-            row.append(power * share)
+        power = rate
+        total = power * share
+        row = [0.0, total]
+        for _ in range(1, max_draft_tokens):
             power *= rate
+            total += power * share
+            row.append(total)
         rows.append(row)
     return rows
 
@@ -210,17 +215,18 @@ class AcceptanceEstimator:
         self.observed[:, d] += counts.trial_steps
 
     def learn_step(self, record: StepRecord, asked, drafter_index: int, idle_weight: float) -> tuple[int, int]:
-        """One step's lesson for drafter ``drafter_index``: what update_counts of its StepCounts
-        (add_steps([record], asked)) and then relax(its rows not asked, ``idle_weight``) learn, in
-        the same float operations, row by row (a handful of rows costs less so than numpy's
-        fixed cost per call). Returns the step's accepted and judged draft tokens."""
+        """One step's lesson for drafter ``drafter_index``, planned with lengths ``asked`` [B] (a
+        list or an array): what update_counts of its StepCounts (add_steps([record], asked)) and
+        then relax(its rows not asked, ``idle_weight``) learn, in the same float operations, row
+        by row (a handful of rows costs less so than numpy's fixed cost per call). Returns the
+        step's accepted and judged draft tokens."""
         d = int(drafter_index)
         rows = np.asarray(record.rows, dtype=np.int64).tolist()  # [A]
         drafted, accepted, emitted = (np.asarray(x).tolist() for x in (record.num_drafted, record.num_accepted,
                                                                         record.num_emitted))  # [B] each
         rate, coverage = self._rate[:, d], self._coverage[:, d]  # [B] views
         rates, coverages = rate.tolist(), coverage.tolist()  # [B]
-        weight = self.old_weight ** 1  # what the old estimate keeps of one observation
+        weight = self.old_weight ** 1  # what the old estimate keeps of one observation (update_counts' power)
         goal = float(self.prior[d])
         successes = trials = 0
         observed = []  # rows with a trial
@@ -239,7 +245,8 @@ class AcceptanceEstimator:
                 coverages[row] += idle_weight * (1.0 - coverages[row])
         rate[rows] = [rates[row] for row in rows]
         coverage[rows] = [coverages[row] for row in rows]
-        self.observed[observed, d] += 1
+        if observed:
+            self.observed[observed, d] += 1
         return successes, trials
 
     def relax(self, rows: np.ndarray, drafter_index: int, weight, target: float | None = None) -> None:

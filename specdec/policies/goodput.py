@@ -31,7 +31,7 @@ import numpy as np
 
 from ..stats import StepRecord
 from ..types import Plan, is_int_at_least
-from .acceptance import AcceptanceEstimator, StepCounts, iid_gain_rows, iid_marginal_gains
+from .acceptance import AcceptanceEstimator, StepCounts, iid_cumulative_rows, iid_marginal_gains
 from .base import Policy
 from .calibration import StepTimeCalibration
 from .cost_model import CostModel
@@ -192,9 +192,10 @@ class GoodputPolicy(Policy):
         start = [self._lengths[row] for row in rows]  # [A]
         if self.finish_rates is None and len(rows) <= SMALL_SEARCH:  # as lists, for numpy's fixed cost
             rates, coverage = self.estimator.rate(d).tolist(), self.estimator.coverage(d).tolist()  # [B]
-            gains = iid_gain_rows([rates[row] for row in rows], [coverage[row] for row in rows], self.max_draft_tokens)
+            cumulative = iid_cumulative_rows([rates[row] for row in rows], [coverage[row] for row in rows],
+                                             self.max_draft_tokens)  # [A][K+1]
             chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_rows(
-                gains, caps, step_time, self.min_gain, start)
+                cumulative, caps, step_time, self.min_gain, start)
         else:
             rates = self.finish_rates.samples(active) if self.finish_rates is not None \
                 else self.estimator.rate(d)[active]  # [J, A] or [A]

@@ -23,12 +23,10 @@ plainly (SmartSpec: 10%).
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import numpy as np
 
 from .finish import call_times, shortest_best
-from .step_time import LinearStepTime
+from .step_time import LinearStepTime, numpy_sum, row_values
 
 SEARCHES = ("exact", "finish")
 SMALL_SEARCH = 16  # rows up to which the exact search loops in Python (fewer numpy calls than rows to loop over)
@@ -39,29 +37,6 @@ def cumulative_gains(gains: np.ndarray) -> np.ndarray:
     cumulative = np.zeros(gains.shape[:-1] + (gains.shape[-1] + 1,))
     np.cumsum(gains, axis=-1, out=cumulative[..., 1:])
     return cumulative
-
-
-def numpy_sum(values: list[float]) -> float:
-    """sum(values) as numpy's float64 np.add.reduce takes it (pairwise: one accumulator below 8
-    values, 8 interleaved ones up to 128, halves above), so a Python sum is numpy's to the bit."""
-    n = len(values)
-    if n < 8:
-        total = 0.0
-        for value in values:
-            total += value
-        return total
-    if n > 128:
-        half = n // 2 - n // 2 % 8
-        return numpy_sum(values[:half]) + numpy_sum(values[half:])
-    r0, r1, r2, r3, r4, r5, r6, r7 = values[:8]
-    end = n - n % 8
-    for i in range(8, end, 8):
-        r0, r1, r2, r3 = r0 + values[i], r1 + values[i + 1], r2 + values[i + 2], r3 + values[i + 3]
-        r4, r5, r6, r7 = r4 + values[i + 4], r5 + values[i + 5], r6 + values[i + 6], r7 + values[i + 7]
-    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    for value in values[end:]:
-        total += value
-    return total
 
 
 def _goodput(cumulative: np.ndarray, k: np.ndarray, step_time: LinearStepTime) -> float:
@@ -126,24 +101,20 @@ def _search_exact(cumulative: np.ndarray, caps: np.ndarray, step_time: LinearSte
     return best_k.copy()
 
 
-def _listed(gains: list[list[float]], step_time: LinearStepTime) -> tuple[list[list[float]], list[list[float]]]:
-    """The cumulative gains of ``gains`` [A][K] and what each row adds to the step drafting each
-    length 0..K, as lists [A][K+1]: the numbers _search_exact reads, each in its float operations
-    (np.cumsum's running sums; the row's cost plus its token cost times the length, none at 0)."""
-    num_rows, max_k = len(gains), len(gains[0]) if gains else 0
-    row_cost = np.asarray(step_time.row_cost, dtype=np.float64)
-    starts = (row_cost if row_cost.shape == (num_rows,) else np.broadcast_to(row_cost, (num_rows,))).tolist()
+def _costs(step_time: LinearStepTime, num_rows: int, max_k: int) -> list[list[float]]:
+    """[A][K+1] what each row adds to the step drafting each length 0..K, as _search_exact reads it
+    (the row's cost plus its token cost times the length; 0.0 at length 0)."""
     costs = []
-    for start, token_cost in zip(starts, np.asarray(step_time.token_cost, dtype=np.float64).tolist()):
+    for start, token_cost in zip(row_values(step_time.row_cost, num_rows), row_values(step_time.token_cost, num_rows)):
         row = [0.0]
         for length in range(1, max_k + 1):
             row.append(start + token_cost * length)
         costs.append(row)
-    return [[0.0, *accumulate(row)] for row in gains], costs
+    return costs
 
 
 def _gathered(cumulative: list[list[float]], costs: list[list[float]], k: list[int]) -> tuple[float, float]:
-    """Choice k [A]'s tokens beyond one a row and its rows' share of the step time (_listed),
+    """Choice k [A]'s tokens beyond one a row and its rows' share of the step time (_costs),
     each summed over the rows in numpy's order (numpy_sum: one running sum below 8 rows)."""
     if len(k) < 8:
         tokens = per_row = 0.0
@@ -157,7 +128,7 @@ def _gathered(cumulative: list[list[float]], costs: list[list[float]], k: list[i
 
 def _rows_goodput(cumulative: list[list[float]], costs: list[list[float]], k: list[int],
                   step_time: LinearStepTime) -> float:
-    """_goodput over lists (_listed), in its float operations."""
+    """_goodput over lists (cumulative gains and _costs [A][K+1]), in its float operations."""
     longest = max(k, default=0)
     if longest == 0:  # plain decoding: every row's column 0, whose sums are 0.0
         return (len(k) + 0.0) / (step_time.base + 0.0)
@@ -167,7 +138,8 @@ def _rows_goodput(cumulative: list[list[float]], costs: list[list[float]], k: li
 
 def _search_rows(cumulative: list[list[float]], costs: list[list[float]], caps: list[int], step_time: LinearStepTime,
                  start: list[int] | None, plain: float, tolerance: float = 1e-12) -> tuple[list[int], float]:
-    """_search_exact as Python loops over lists (_listed), caps [A] (at most K), start [A] or None,
+    """_search_exact as Python loops over lists (cumulative gains and _costs [A][K+1]), caps [A]
+    (at most K), start [A] or None,
     plain: G of plain decoding; the same iterations in the same float operations, so the same
     choice [A], returned with its goodput (_rows_goodput's). Every depth starts from the same
     ratio, so one scan of each row gives every depth's first choice (the first maximum over each
@@ -255,7 +227,7 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
     if gains.ndim != 2:
         raise ValueError("search='exact' takes gains [A, K]; samples of them [J, A, K] are for 'finish' only")
     if len(caps) <= SMALL_SEARCH:
-        k, chosen, plain = choose_rows(gains.tolist(), caps.tolist(), step_time, min_gain,
+        k, chosen, plain = choose_rows(cumulative_gains(gains).tolist(), caps.tolist(), step_time, min_gain,
                                        None if start is None else np.asarray(start, dtype=np.int64).tolist())
         return np.array(k, dtype=np.int64), chosen, plain
     cumulative = cumulative_gains(gains)  # [A, K+1]
@@ -269,12 +241,13 @@ def choose_lengths(gains: np.ndarray, caps: np.ndarray, step_time: LinearStepTim
     return k, chosen, plain
 
 
-def choose_rows(gains: list[list[float]], caps: list[int], step_time: LinearStepTime, min_gain: float = 0.10,
+def choose_rows(cumulative: list[list[float]], caps: list[int], step_time: LinearStepTime, min_gain: float = 0.10,
                 start: list[int] | None = None) -> tuple[list[int], float, float]:
     """choose_lengths(search="exact") over Python lists, its exact search as loops (_search_rows):
-    gains [A][K], caps [A] (at most K), start [A]; the same lengths [A] and goodputs, bit for bit,
-    at a cost that grows with the rows where numpy's is fixed (SMALL_SEARCH rows at the most)."""
-    cumulative, costs = _listed(gains, step_time)
+    cumulative gains [A][K+1] (cumulative_gains'), caps [A] (at most K), start [A]; the same
+    lengths [A] and goodputs, bit for bit, at a cost that grows with the rows where numpy's is
+    fixed (SMALL_SEARCH rows at the most)."""
+    costs = _costs(step_time, len(caps), len(cumulative[0]) - 1 if cumulative else 0)
     zeros = [0] * len(caps)
     plain = _rows_goodput(cumulative, costs, zeros, step_time)
     if max(caps, default=0) <= 0:
