@@ -66,8 +66,8 @@ def iid_marginal_gains(rate, max_draft_tokens: int) -> np.ndarray:
 
 def iid_cumulative_rows(rates: list[float], coverage: list[float], max_draft_tokens: int) -> list[list[float]]:
     """The cumulative gains [A][K+1] of iid_marginal_gains(rates, K) * coverage[:, None] (as
-    goodput_search.cumulative_gains sums them) as lists, in the same float operations: a handful
-    of rows costs less so than numpy's fixed cost per call."""
+    goodput_search.cumulative_gains sums them) as lists, in the same float operations: for a
+    handful of rows, loops cost less than numpy's fixed cost per call."""
     rows = []
     for rate, share in zip(rates, coverage):
         rate = min(max(rate, 0.0), 1.0)  # np.clip's, NaN and -0.0 included
@@ -218,7 +218,7 @@ class AcceptanceEstimator:
         """One step's lesson for drafter ``drafter_index``, planned with lengths ``asked`` [B] (a
         list or an array): what update_counts of its StepCounts (add_steps([record], asked)) and
         then relax(its rows not asked, ``idle_weight``) learn, in the same float operations, row
-        by row (a handful of rows costs less so than numpy's fixed cost per call). Returns the
+        by row (for a handful of rows, cheaper than numpy's fixed cost per call). Returns the
         step's accepted and judged draft tokens."""
         d = int(drafter_index)
         rows = np.asarray(record.rows, dtype=np.int64).tolist()  # [A]

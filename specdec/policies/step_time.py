@@ -42,7 +42,7 @@ def numpy_sum(values: list[float]) -> float:
     total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
     for value in values[end:]:
         total += value
-    return total
+    return 0.0 + total  # numpy adds the blocks' sum to its identity (-0.0 becomes 0.0)
 
 
 def row_values(values, num_rows: int) -> list[float]:
@@ -69,7 +69,7 @@ class LinearStepTime:
 
     def __call__(self, k: np.ndarray) -> np.ndarray | float:
         """k: [..., A] -> [...] seconds (one choice k [A]: a float, from Python floats in the same
-        operations, numpy's fixed cost per call being most of the work)."""
+        operations, cheaper than numpy's fixed cost per call)."""
         k = np.asarray(k)
         if k.ndim == 1:
             lengths = k.tolist()

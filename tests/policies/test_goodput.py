@@ -137,8 +137,9 @@ def test_sums_over_lists_are_numpys_to_the_bit():
     search's), and the step time of one choice (Python floats) is the batched one's."""
     rng = np.random.default_rng(3)
     for n in range(300):
-        values = rng.random(n) * 10.0 ** rng.uniform(-8, 8, n)
-        assert numpy_sum(values.tolist()) == np.add.reduce(values)
+        values = rng.random(n) * 10.0 ** rng.uniform(-8, 8, n) * rng.choice([-1.0, 1.0], n)
+        for summed in (values, -0.0 * values):  # zeros' signs too
+            assert np.float64(numpy_sum(summed.tolist())).tobytes() == np.add.reduce(summed).tobytes()
         assert np.stack([values, values[::-1]]).sum(axis=1).tolist() == [numpy_sum(values.tolist()),
                                                                           numpy_sum(values[::-1].tolist())]
     for _ in range(100):
