@@ -15,7 +15,8 @@ E[tau](k) = 1 + sum_{j<k} prod_{i<=j} a_i.
 
 Invariant: every estimate lies in [0, 1] and equals its prior until the (row, drafter) it
 describes has been observed; an update reads only ``StepRecord``s (host arrays): O(n x B) numpy
-work for n steps, no device synchronisation.
+work for n steps (one step: a Python loop over its rows, ``learn_step``), no device
+synchronisation.
 """
 
 from __future__ import annotations
@@ -58,9 +59,27 @@ def marginal_gains(position_rates: np.ndarray) -> np.ndarray:
 
 
 def iid_marginal_gains(rate, max_draft_tokens: int) -> np.ndarray:
-    """[...] i.i.d. rates -> [..., K] gains, gain j = a^(j+1)."""
+    """[...] i.i.d. rates -> [..., K] gains, gain j = a^(j+1) (marginal_gains of K equal rates)."""
     rate = np.clip(np.asarray(rate, dtype=np.float64), 0.0, 1.0)
-    return marginal_gains(np.repeat(rate[..., None], max_draft_tokens, axis=-1))
+    return np.multiply.accumulate(np.repeat(rate[..., None], max_draft_tokens, axis=-1), axis=-1)
+
+
+def iid_cumulative_rows(rates: list[float], coverage: list[float], max_draft_tokens: int) -> list[list[float]]:
+    """The cumulative gains [A][K+1] of iid_marginal_gains(rates, K) * coverage[:, None] (as
+    goodput_search.cumulative_gains sums them) as lists, in the same float operations: for a
+    handful of rows, loops cost less than numpy's fixed cost per call."""
+    rows = []
+    for rate, share in zip(rates, coverage):
+        rate = min(max(rate, 0.0), 1.0)  # np.clip's, NaN and -0.0 included
+        power = rate
+        total = power * share
+        row = [0.0, total]
+        for _ in range(1, max_draft_tokens):
+            power *= rate
+            total += power * share
+            row.append(total)
+        rows.append(row)
+    return rows
 
 
 def expected_emitted_table(position_rates: np.ndarray) -> np.ndarray:
@@ -85,26 +104,43 @@ class StepCounts:
         self.idle_steps = np.zeros(num_rows, dtype=np.int64)  # [B]
 
     def add_steps(self, records: list[StepRecord], asked: np.ndarray) -> None:
-        """Steps planned with lengths ``asked`` [B] (after budget caps), at once ([n, B] arrays).
-        A row that took no part in a step (finished, or not yet admitted) counts nothing for it."""
+        """Steps planned with lengths ``asked`` [B] (after budget caps), at once ([n, B] arrays;
+        one step: its rows' [A] arrays). A row that took no part in a step (finished, or not yet
+        admitted) counts nothing for it."""
+        if len(records) == 1:
+            self._add_step(records[0], asked)
+            return
         if not records:
             return
-        rows = [np.asarray(record.rows, dtype=np.int64) for record in records]  # each step's [A]
         taking_part = np.zeros((len(records), len(self.successes)), dtype=bool)  # [n, B]
-        taking_part[np.repeat(np.arange(len(records)), [len(r) for r in rows]), np.concatenate(rows)] = True
-        drafted = np.where(taking_part, np.array([r.num_drafted for r in records]), 0)  # [n, B]
-        accepted = np.where(taking_part, np.minimum(np.array([r.num_accepted for r in records]), drafted), 0)
+        for step, record in enumerate(records):
+            taking_part[step, record.rows] = True
+        drafted = np.array([r.num_drafted for r in records]) * taking_part  # [n, B] 0 where a row took no part
+        accepted = np.minimum(np.array([r.num_accepted for r in records]), drafted) * taking_part
         emitted = np.array([r.num_emitted for r in records])  # [n, B]
-        rejected = (accepted < drafted) & (emitted > accepted)  # a real rejection, not a cut-short step
-        trials = accepted + rejected  # [n, B]
+        trials = accepted + ((accepted < drafted) & (emitted > accepted))  # a rejection, unless cut short
         asked_row = np.asarray(asked) > 0  # [B]
         took_part = taking_part.sum(axis=0)  # [B]
         self.successes += accepted.sum(axis=0)
         self.trials += trials.sum(axis=0)
         self.trial_steps += (trials > 0).sum(axis=0)
-        self.asked_steps += np.where(asked_row, took_part, 0)
-        self.proposed_steps += np.where(asked_row, (drafted > 0).sum(axis=0), 0)
-        self.idle_steps += np.where(asked_row, 0, took_part)
+        self.asked_steps += took_part * asked_row
+        self.proposed_steps += (drafted > 0).sum(axis=0) * asked_row
+        self.idle_steps += took_part * ~asked_row
+
+    def _add_step(self, record: StepRecord, asked: np.ndarray) -> None:
+        """add_steps of one step: the same counts, from its rows' [A] arrays."""
+        rows = np.asarray(record.rows, dtype=np.int64)  # [A]
+        drafted = np.asarray(record.num_drafted)[rows]  # [A]
+        accepted = np.minimum(np.asarray(record.num_accepted)[rows], drafted)  # [A]
+        trials = accepted + ((accepted < drafted) & (np.asarray(record.num_emitted)[rows] > accepted))  # [A]
+        asked_row = np.asarray(asked)[rows] > 0  # [A]
+        self.successes[rows] += accepted
+        self.trials[rows] += trials
+        self.trial_steps[rows] += trials > 0
+        self.asked_steps[rows] += asked_row
+        self.proposed_steps[rows] += asked_row & (drafted > 0)
+        self.idle_steps[rows] += ~asked_row
 
 
 class AcceptanceEstimator:
@@ -169,16 +205,49 @@ class AcceptanceEstimator:
         weight 1 - 0.85^n, n the steps that observed it (the weight n per-step updates give a
         constant observation; with one step this is the per-step update)."""
         d = int(drafter_index)
-        observed = counts.trial_steps > 0  # [B]
+        rate, coverage = self._rate[:, d], self._coverage[:, d]  # [B] views
         weight = self.old_weight ** counts.trial_steps  # [B] what the old estimate keeps
         step_rate = counts.successes / np.maximum(counts.trials, 1)
-        self._rate[:, d] = np.where(observed, weight * self._rate[:, d] + (1.0 - weight) * step_rate, self._rate[:, d])
-        asked = counts.asked_steps > 0
+        np.copyto(rate, weight * rate + (1.0 - weight) * step_rate, where=counts.trial_steps > 0)
         weight = self.old_weight ** counts.asked_steps
         proposed = counts.proposed_steps / np.maximum(counts.asked_steps, 1)
-        self._coverage[:, d] = np.where(asked, weight * self._coverage[:, d] + (1.0 - weight) * proposed,
-                                        self._coverage[:, d])
+        np.copyto(coverage, weight * coverage + (1.0 - weight) * proposed, where=counts.asked_steps > 0)
         self.observed[:, d] += counts.trial_steps
+
+    def learn_step(self, record: StepRecord, asked, drafter_index: int, idle_weight: float) -> tuple[int, int]:
+        """One step's lesson for drafter ``drafter_index``, planned with lengths ``asked`` [B] (a
+        list or an array): what update_counts of its StepCounts (add_steps([record], asked)) and
+        then relax(its rows not asked, ``idle_weight``) learn, in the same float operations, row
+        by row (for a handful of rows, cheaper than numpy's fixed cost per call). Returns the
+        step's accepted and judged draft tokens."""
+        d = int(drafter_index)
+        rows = np.asarray(record.rows, dtype=np.int64).tolist()  # [A]
+        drafted, accepted, emitted = (np.asarray(x).tolist() for x in (record.num_drafted, record.num_accepted,
+                                                                        record.num_emitted))  # [B] each
+        rate, coverage = self._rate[:, d], self._coverage[:, d]  # [B] views
+        rates, coverages = rate.tolist(), coverage.tolist()  # [B]
+        weight = self.old_weight ** 1  # what the old estimate keeps of one observation (update_counts' power)
+        goal = float(self.prior[d])
+        successes = trials = 0
+        observed = []  # rows with a trial
+        for row in rows:
+            row_drafted = drafted[row]
+            row_accepted = min(accepted[row], row_drafted)
+            row_trials = row_accepted + (row_accepted < row_drafted and emitted[row] > row_accepted)
+            successes, trials = successes + row_accepted, trials + row_trials
+            if row_trials > 0:
+                rates[row] = weight * rates[row] + (1.0 - weight) * (row_accepted / row_trials)
+                observed.append(row)
+            if asked[row] > 0:
+                coverages[row] = weight * coverages[row] + (1.0 - weight) * float(row_drafted > 0)
+            else:
+                rates[row] += idle_weight * (goal - rates[row])
+                coverages[row] += idle_weight * (1.0 - coverages[row])
+        rate[rows] = [rates[row] for row in rows]
+        coverage[rows] = [coverages[row] for row in rows]
+        if observed:
+            self.observed[observed, d] += 1
+        return successes, trials
 
     def relax(self, rows: np.ndarray, drafter_index: int, weight, target: float | None = None) -> None:
         """Move the estimates of ``rows`` for one drafter ``weight`` (one number or [R]) of the way

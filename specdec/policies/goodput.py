@@ -20,9 +20,12 @@ records, and at the next decision learns from all of them at once (the EMA from 
 counts, with the weight 1 - 0.85^n that n one-step updates of a constant would give).
 
 Invariant: the policy changes only how many tokens are drafted; output is the target's own.
-Cost: one search per decision, O(K^2 A) numpy work (about 0.5 ms of host time, a fixed cost of
-some sixty small numpy operations, whatever the rows) and O(n x B) counting of the n steps since
-the last one.
+Cost: one search per decision, O(K^2 A) work, and O(n x B) counting of the n steps since the
+last one. With up to SMALL_SEARCH active rows the decision (gains, search, bookkeeping) and one
+step's learning run as Python loops over lists, whose cost grows with the rows, where numpy's
+fixed cost per call dominated: deciding every step (max_draft_tokens 5), about 0.14 ms of host
+time a step at 1-2 rows, 0.17 ms at 4 and 0.20 ms at 16 on a 2-core CPU (numpy throughout: 0.5
+ms), with the same decisions (experiments/policy_host_time.py).
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ import numpy as np
 
 from ..stats import StepRecord
 from ..types import Plan, is_int_at_least
-from .acceptance import AcceptanceEstimator, StepCounts, iid_marginal_gains
+from .acceptance import AcceptanceEstimator, StepCounts, iid_cumulative_rows, iid_marginal_gains
 from .base import Policy
 from .calibration import StepTimeCalibration
 from .cost_model import CostModel
 from .finish import REVISIT, FinishRates
-from .goodput_search import SEARCHES, choose_lengths
+from .goodput_search import SEARCHES, SMALL_SEARCH, choose_lengths, choose_rows
 from .step_time import LinearStepTime
 
 CATCH_UP_STEPS = 2  # a row drafting again after more idle steps than this makes its drafter catch up: not calibrated on
@@ -106,10 +109,11 @@ class GoodputPolicy(Policy):
         self._learn()  # the last batch's final steps still calibrate
         self.calibration.new_call()
         self._batch, self._steps, self._next_decision = batch, 0, 0
-        self._lengths = np.zeros(batch.num_rows, dtype=np.int64)  # [B] the last decision's lengths
-        self._asked = self._lengths.copy()  # [B] the same, capped by the rows' budgets
+        # [B] the last decision's lengths, within each row's budget (the search keeps to its caps)
+        self._lengths = [0] * batch.num_rows
+        self._drafters = np.full(batch.num_rows, self.drafter_index, dtype=np.int64)  # [B] every plan's drafter_index
         # [B] the step each row last drafted: a model drafter also reads every token it missed since
-        self._last_drafted = np.full(batch.num_rows, NEVER, dtype=np.int64)
+        self._last_drafted = [NEVER] * batch.num_rows
         self._previous_ran: bool | None = None  # whether the last step ran the drafter
         self._pooled = np.zeros(2)
         self.estimator = AcceptanceEstimator(batch.num_rows, num_drafters, prior=self.prior)
@@ -129,7 +133,8 @@ class GoodputPolicy(Policy):
             self.estimator.relax(rows, d, 1.0, target=self.population_rate if d == self.drafter_index else None)
         if self.finish_rates is not None:
             self.finish_rates.reset(rows)
-        self._last_drafted[rows] = NEVER
+        for row in rows.tolist():
+            self._last_drafted[row] = NEVER
         self._next_decision = min(self._next_decision, self._steps)
 
     def observe(self, record: StepRecord) -> None:
@@ -142,56 +147,68 @@ class GoodputPolicy(Policy):
         self._learn()
 
     def _decide_interval(self, batch) -> Plan:
-        """A decision: lengths for the active rows, kept (capped by each row's budget) until the next."""
+        """A decision: lengths for the active rows, kept (capped by each row's budget) until the next.
+        The rows' bookkeeping is Python lists: for a handful of rows, cheaper than numpy's fixed
+        cost per call."""
         remaining = np.asarray(batch.remaining)  # [B]
-        caps = np.minimum(self.max_draft_tokens, np.maximum(remaining - 1, 0))  # [B]
         active = batch.active_rows()  # [A]
-        np.minimum(self._last_drafted, self._steps - 1, out=self._last_drafted)  # an interval cut short drafted until now
+        rows, left = active.tolist(), remaining.tolist()
+        caps = [min(self.max_draft_tokens, max(left[row] - 1, 0)) for row in rows]  # [A]
+        now = self._steps
+        last = [min(step, now - 1) for step in self._last_drafted]  # [B] an interval cut short drafted until now
         step_time = LinearStepTime.from_cost_model(self.cost_model, batch.lengths[active], self.drafter_index) \
-            if len(active) else None
-        self._lengths = self._decide(active, caps, step_time, remaining)
+            if rows else None
+        lengths = self._decide(active, caps, step_time, remaining)  # [B]
+        drafting = [row for row in rows if lengths[row] > 0]
         # drafting measured with no plain step beside it and far off the model: a few plain steps
         # first, so the calibration can tell a slow host from dear drafting
-        probing = bool((self._lengths[active] > 0).any() and self.calibration.wants_plain_probe(len(active)))
+        probing = bool(drafting and self.calibration.wants_plain_probe(len(rows)))
         probe_steps = StepTimeCalibration.PROBE_STEPS
         if probing:
-            self._lengths = np.zeros_like(self._lengths)
-            self.calibration.probed(len(active))
+            lengths, drafting = [0] * len(lengths), []
+            self.calibration.probed(len(rows))
             # the probe's plain steps are no idleness: the return after them is no catch-up
-            was_drafting = self._last_drafted == self._steps - 1
-            self._last_drafted[was_drafting] = self._steps + probe_steps - CATCH_UP_STEPS
-        self._asked = np.minimum(self._lengths, caps)  # [B]
-        asked = self._asked > 0
-        self._catching_up = bool((asked & (self._steps - self._last_drafted > CATCH_UP_STEPS)).any())
-        interval = self.decide_every if self._steps > 0 else min(self.decide_every, FIRST_INTERVAL)
-        if asked.any() and not self.calibration.measured(len(active)):
+            last = [now + probe_steps - CATCH_UP_STEPS if step == now - 1 else step for step in last]
+        self._catching_up = any(now - last[row] > CATCH_UP_STEPS for row in drafting)
+        interval = self.decide_every if now > 0 else min(self.decide_every, FIRST_INTERVAL)
+        if drafting and not self.calibration.measured(len(rows)):
             # drafting where the calibration has no measurements yet: decide again once it has them
             interval = min(interval, StepTimeCalibration.MIN_SAMPLES + int(self._catching_up))
         if probing:
             interval = probe_steps
-        self._next_decision = self._steps + interval
-        self._last_drafted[asked] = self._steps + interval - 1
-        self._decision = (step_time, self._asked[active]) if step_time is not None else None
-        return Plan(drafter_index=np.full(batch.num_rows, self.drafter_index, dtype=np.int64),
-                    num_draft_tokens=self._asked.copy())
+        self._next_decision = now + interval
+        for row in drafting:
+            last[row] = now + interval - 1
+        self._lengths, self._last_drafted = lengths, last
+        planned = np.array(lengths, dtype=np.int64)  # [B]
+        self._decision = (step_time, planned[active]) if step_time is not None else None
+        return Plan(drafter_index=self._drafters, num_draft_tokens=planned)
 
-    def _decide(self, active: np.ndarray, caps: np.ndarray, step_time: LinearStepTime | None,
-                remaining: np.ndarray) -> np.ndarray:
-        """[B] lengths for the active rows (0 elsewhere)."""
-        lengths = np.zeros(len(caps), dtype=np.int64)
+    def _decide(self, active: np.ndarray, caps: list[int], step_time: LinearStepTime | None,
+                remaining: np.ndarray) -> list[int]:
+        """[B] lengths for the active rows [A] (0 elsewhere), each within its cap [A]."""
+        lengths = [0] * len(self._lengths)
         if len(active) == 0:
             return lengths
-        coverage = self.estimator.coverage(self.drafter_index)[active]  # [A]
-        if self.finish_rates is not None:
-            rates = self.finish_rates.samples(active)  # [J, A]
+        rows, d = active.tolist(), self.drafter_index
+        step_time = self.calibration.apply(step_time, len(rows))
+        start = [self._lengths[row] for row in rows]  # [A]
+        if self.finish_rates is None and len(rows) <= SMALL_SEARCH:  # Python lists: cheaper than numpy here
+            rates, coverage = self.estimator.rate(d).tolist(), self.estimator.coverage(d).tolist()  # [B]
+            cumulative = iid_cumulative_rows([rates[row] for row in rows], [coverage[row] for row in rows],
+                                             self.max_draft_tokens)  # [A][K+1]
+            chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_rows(
+                cumulative, caps, step_time, self.min_gain, start)
         else:
-            rates = self.estimator.rate(self.drafter_index)[active]  # [A]
-        gains = iid_marginal_gains(rates, self.max_draft_tokens) * coverage[:, None]  # [A, K] or [J, A, K]
-        step_time = self.calibration.apply(step_time, len(active))
-        chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
-            gains, caps[active], step_time, self.search, self.min_gain, start=self._lengths[active],
-            remaining=remaining[active])
-        lengths[active] = chosen
+            rates = self.finish_rates.samples(active) if self.finish_rates is not None \
+                else self.estimator.rate(d)[active]  # [J, A] or [A]
+            gains = iid_marginal_gains(rates, self.max_draft_tokens) * self.estimator.coverage(d)[active][:, None]
+            chosen, self.predicted_goodput, self.predicted_plain_goodput = choose_lengths(
+                gains, np.array(caps, dtype=np.int64), step_time, self.search, self.min_gain, start=start,
+                remaining=remaining[active])  # gains [A, K] or [J, A, K]
+            chosen = chosen.tolist()
+        for row, length in zip(rows, chosen):
+            lengths[row] = length
         return lengths
 
     def _learn(self) -> None:
@@ -200,14 +217,18 @@ class GoodputPolicy(Policy):
         records, self._records = self._records, []
         if not records or self.estimator is None:
             return
-        counts = StepCounts(len(self._asked))
-        counts.add_steps(records, self._asked)
-        self.estimator.update_counts(counts, self.drafter_index)
-        self._pooled += (counts.successes.sum(), counts.trials.sum())
-        if self.finish_rates is not None:
-            self.finish_rates.add(counts)
-        idle = np.flatnonzero(counts.idle_steps)
-        self.estimator.relax(idle, self.drafter_index, 1.0 - (1.0 - REVISIT) ** counts.idle_steps[idle])
+        if len(records) == 1 and self.finish_rates is None:  # a decision every step: row by row
+            self._pooled += self.estimator.learn_step(records[0], self._lengths, self.drafter_index,
+                                                      1.0 - (1.0 - REVISIT) ** 1)
+        else:
+            counts = StepCounts(len(self._lengths))
+            counts.add_steps(records, self._lengths)
+            self.estimator.update_counts(counts, self.drafter_index)
+            self._pooled += (counts.successes.sum(), counts.trials.sum())
+            if self.finish_rates is not None:
+                self.finish_rates.add(counts)
+            idle = counts.idle_steps.nonzero()[0]
+            self.estimator.relax(idle, self.drafter_index, 1.0 - (1.0 - REVISIT) ** counts.idle_steps[idle])
         if self._decision is not None:
             self._calibrate(records)
 

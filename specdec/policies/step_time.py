@@ -22,6 +22,35 @@ import numpy as np
 from .cost_model import CostModel
 
 
+def numpy_sum(values: list[float]) -> float:
+    """sum(values) as numpy's float64 np.add.reduce takes it (pairwise: one accumulator below 8
+    values, 8 interleaved ones up to 128, halves above), so a Python sum is numpy's to the bit."""
+    n = len(values)
+    if n < 8:
+        total = 0.0
+        for value in values:
+            total += value
+        return total
+    if n > 128:
+        half = n // 2 - n // 2 % 8
+        return numpy_sum(values[:half]) + numpy_sum(values[half:])
+    r0, r1, r2, r3, r4, r5, r6, r7 = values[:8]
+    end = n - n % 8
+    for i in range(8, end, 8):
+        r0, r1, r2, r3 = r0 + values[i], r1 + values[i + 1], r2 + values[i + 2], r3 + values[i + 3]
+        r4, r5, r6, r7 = r4 + values[i + 4], r5 + values[i + 5], r6 + values[i + 6], r7 + values[i + 7]
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    for value in values[end:]:
+        total += value
+    return 0.0 + total  # numpy adds the blocks' sum to its identity (-0.0 becomes 0.0)
+
+
+def row_values(values, num_rows: int) -> list[float]:
+    """[A] Python floats of one number or an array [A] (a per-row cost)."""
+    values = np.asarray(values, dtype=np.float64)
+    return (values if values.shape == (num_rows,) else np.broadcast_to(values, (num_rows,))).tolist()
+
+
 def row_bucket(num_rows: int) -> int:
     """The power of two >= num_rows: the calibration keeps one correction per bucket of active rows."""
     return 1 << max(int(num_rows) - 1, 0).bit_length()
@@ -38,9 +67,16 @@ class LinearStepTime:
     depth_cost: float = 0.0
     row_base: np.ndarray | None = None  # [A] what each row adds to the plain step (base - sum: fixed); None: all fixed
 
-    def __call__(self, k: np.ndarray) -> np.ndarray:
-        """k: [..., A] -> [...] seconds."""
+    def __call__(self, k: np.ndarray) -> np.ndarray | float:
+        """k: [..., A] -> [...] seconds (one choice k [A]: a float, from Python floats in the same
+        operations, cheaper than numpy's fixed cost per call)."""
         k = np.asarray(k)
+        if k.ndim == 1:
+            lengths = k.tolist()
+            costs = zip(row_values(self.row_cost, len(lengths)), row_values(self.token_cost, len(lengths)), lengths)
+            per_row = numpy_sum([row_cost * (length > 0) + token_cost * length for row_cost, token_cost, length in costs])
+            drafting = float(any(length > 0 for length in lengths))
+            return self.base + per_row + drafting * (self.draft_fixed + self.depth_cost * max([0, *lengths]))
         on = k > 0  # [..., A]
         drafting = on.any(axis=-1)
         per_row = (self.row_cost * on + self.token_cost * k).sum(axis=-1)

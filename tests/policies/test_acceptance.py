@@ -90,6 +90,54 @@ def test_counts_of_one_step_learn_exactly_what_the_step_update_learns():
     assert np.allclose(at_once.rate(0), steps.rate(0)) and not np.allclose(at_once.rate(0), 0.6)
 
 
+def test_one_step_learnt_row_by_row_is_the_counts_update_to_the_bit():
+    """learn_step (Python floats, row by row) learns what StepCounts.add_steps([step]) with
+    update_counts and relax of the rows not asked learn, bit for bit; add_steps of several steps
+    counts what adding each does."""
+    from specdec.policies.acceptance import StepCounts
+    from specdec.policies.finish import REVISIT
+
+    generator = np.random.default_rng(9)
+    for _ in range(40):
+        num_rows = int(generator.integers(1, 20))
+        by_counts = AcceptanceEstimator(num_rows=num_rows, num_drafters=2, prior=[0.6, 0.3])
+        by_rows = AcceptanceEstimator(num_rows=num_rows, num_drafters=2, prior=[0.6, 0.3])
+        steps, each = [], StepCounts(num_rows)
+        asked = generator.integers(0, 5, size=num_rows) * (generator.random(num_rows) < 0.7)
+        for _ in range(20):
+            drafted = np.where(generator.random(num_rows) < 0.8, asked, 0)
+            accepted = np.array([generator.integers(0, d + 1) for d in drafted])
+            emitted = np.where(generator.random(num_rows) < 0.1, accepted, accepted + 1)
+            step = record(drafted, accepted, emitted, rows=np.flatnonzero(generator.random(num_rows) < 0.8))
+            counts = StepCounts(num_rows)
+            counts.add_steps([step], asked)
+            by_counts.update_counts(counts, 1)
+            idle = counts.idle_steps.nonzero()[0]
+            by_counts.relax(idle, 1, 1.0 - (1.0 - REVISIT) ** counts.idle_steps[idle])
+            learnt = by_rows.learn_step(step, asked.tolist(), 1, 1.0 - (1.0 - REVISIT) ** 1)
+            assert learnt == (counts.successes.sum(), counts.trials.sum())
+            for name in ("_rate", "_coverage", "observed"):
+                assert getattr(by_rows, name).tobytes() == getattr(by_counts, name).tobytes()
+            steps.append(step)
+            each.add_steps([step], asked)
+        several = StepCounts(num_rows)
+        several.add_steps(steps, asked)
+        for name in ("successes", "trials", "trial_steps", "asked_steps", "proposed_steps", "idle_steps"):
+            assert np.array_equal(getattr(several, name), getattr(each, name))
+
+
+def test_iid_cumulative_rows_are_the_numpy_gains_to_the_bit():
+    from specdec.policies.acceptance import iid_cumulative_rows, iid_marginal_gains
+    from specdec.policies.goodput_search import cumulative_gains
+
+    generator = np.random.default_rng(4)
+    for max_k in range(1, 9):
+        rates = np.concatenate([generator.uniform(-0.2, 1.2, size=30), [0.0, 1.0, -0.0]])
+        coverage = generator.uniform(0, 1, size=len(rates))
+        expected = cumulative_gains(iid_marginal_gains(rates, max_k) * coverage[:, None])
+        assert np.array(iid_cumulative_rows(rates.tolist(), coverage.tolist(), max_k)).tobytes() == expected.tobytes()
+
+
 def test_censored_step_records_no_rejection():
     """EOS inside the draft: emitted == accepted, so the unaccepted tail was never judged."""
     est = AcceptanceEstimator(num_rows=1, num_drafters=1, prior=0.5)

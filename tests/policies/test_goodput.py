@@ -5,7 +5,9 @@ small instances of the cost model (step times computed independently by CostMode
   per-row, per-pass and fixed drafting terms;
 - "finish" (call_times) equals an event simulation of the call on the cost model, and picks its
   fastest length;
-- the 10% margin switches speculation off when it does not pay.
+- the 10% margin switches speculation off when it does not pay;
+- the Python-loop search of up to SMALL_SEARCH rows (choose_rows) and the numpy one decide and
+  predict bit for bit alike, both equal brute force, and their sums are numpy's to the bit.
 """
 
 from __future__ import annotations
@@ -18,8 +20,17 @@ import pytest
 from specdec.policies.acceptance import marginal_gains
 from specdec.policies.cost_model import CostModel
 from specdec.policies.goodput import GoodputPolicy
-from specdec.policies.goodput_search import choose_lengths, goodput_of
-from specdec.policies.step_time import LinearStepTime
+from specdec.policies.goodput_search import (
+    SMALL_SEARCH,
+    _goodput,
+    _search_exact,
+    choose_lengths,
+    choose_rows,
+    cumulative_gains,
+    goodput_of,
+    search_exact,
+)
+from specdec.policies.step_time import LinearStepTime, numpy_sum
 
 NUM_INSTANCES = 300
 
@@ -78,6 +89,65 @@ def test_exact_search_equals_brute_force(per_token_only):
         model, lengths, gains, caps = random_instance(rng, per_token_only)
         assert achieved(model, lengths, gains, caps, "exact") == pytest.approx(
             brute_force(model, lengths, gains, caps), rel=1e-12)
+
+
+@pytest.mark.parametrize("per_token_only", [True, False], ids=["per-token-costs-only", "general"])
+def test_numpy_exact_search_equals_brute_force(per_token_only):
+    """search_exact, the [depths, rows, lengths] search choose_lengths runs above SMALL_SEARCH rows,
+    on the same instances."""
+    rng = np.random.default_rng(0)
+    for _ in range(NUM_INSTANCES):
+        model, lengths, gains, caps = random_instance(rng, per_token_only)
+        k = search_exact(gains, caps, LinearStepTime.from_cost_model(model, lengths))
+        assert np.all((0 <= k) & (k <= caps))
+        tokens = len(k) + sum(gains[i, : k[i]].sum() for i in range(len(k)))
+        assert tokens / model.step_time(lengths, k) == pytest.approx(brute_force(model, lengths, gains, caps), rel=1e-12)
+
+
+def test_the_list_search_decides_as_the_numpy_search_bit_for_bit():
+    """choose_rows (Python loops) and the numpy search take the same float operations: the same
+    lengths and goodputs to the bit, up to SMALL_SEARCH rows, with equal rows (ties), warm starts
+    (the last choice), per-position gains and calibrated step times."""
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        num_rows, max_k = int(rng.integers(1, SMALL_SEARCH + 1)), int(rng.integers(1, 9))
+        model = random_instance(rng, per_token_only=trial % 4 == 0)[0]
+        lengths = rng.integers(5, 2000, size=num_rows)
+        if trial % 3:  # i.i.d. per row, else per position
+            rates = np.repeat(rng.uniform(0, 1, size=(num_rows, 1)), max_k, axis=1)
+        else:
+            rates = rng.uniform(0, 1, size=(num_rows, max_k))
+        if trial % 5 == 0:  # every row alike: ties everywhere
+            rates, lengths = np.repeat(rates[:1], num_rows, axis=0), np.full(num_rows, lengths[0])
+        cumulative = cumulative_gains(marginal_gains(rates) * rng.uniform(0.5, 1.0, size=(num_rows, 1)))
+        step_time = LinearStepTime.from_cost_model(model, lengths).calibrated(rng.uniform(0.5, 2), rng.uniform(0.2, 5))
+        caps = rng.integers(0, max_k + 1, size=num_rows)
+        plain = _goodput(cumulative, np.zeros(num_rows, dtype=np.int64), step_time)
+        start = rng.integers(0, max_k + 1, size=num_rows)
+        if trial % 2:
+            start = _search_exact(cumulative, caps, step_time, plain=plain)
+        k = _search_exact(cumulative, caps, step_time, start=start, plain=plain)
+        listed, chosen, listed_plain = choose_rows(cumulative.tolist(), caps.tolist(), step_time, 0.0, start.tolist())
+        assert listed == k.tolist()
+        assert (chosen, listed_plain) == (_goodput(cumulative, k, step_time), plain)  # floats compared exactly
+
+
+def test_sums_over_lists_are_numpys_to_the_bit():
+    """numpy_sum adds as np.add.reduce does (also along the last axis of [M, A] arrays, the numpy
+    search's), and the step time of one choice (Python floats) is the batched one's."""
+    rng = np.random.default_rng(3)
+    for n in range(300):
+        values = rng.random(n) * 10.0 ** rng.uniform(-8, 8, n) * rng.choice([-1.0, 1.0], n)
+        for summed in (values, -0.0 * values):  # zeros' signs too
+            assert np.float64(numpy_sum(summed.tolist())).tobytes() == np.add.reduce(summed).tobytes()
+        assert np.stack([values, values[::-1]]).sum(axis=1).tolist() == [numpy_sum(values.tolist()),
+                                                                          numpy_sum(values[::-1].tolist())]
+    for _ in range(100):
+        model, _, _, _ = random_instance(rng, per_token_only=False)
+        num_rows = int(rng.integers(1, 40))
+        step_time = LinearStepTime.from_cost_model(model, rng.integers(5, 2000, size=num_rows))
+        k = rng.integers(0, 6, size=num_rows) * (rng.random(num_rows) < 0.7)
+        assert step_time(k) == step_time(k[None])[0] and step_time.extra(k) == step_time.extra(k[None])[0]
 
 
 def test_rows_get_lengths_by_their_acceptance():
