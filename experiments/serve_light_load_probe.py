@@ -69,7 +69,7 @@ def probe(zoo, drafter, policy, prompts, arrivals, settings) -> dict:
 
             def deciding(active, caps, step_time, remaining):
                 lengths = decide(active, caps, step_time, remaining)
-                decisions.append(dict(rows=len(active), lengths=lengths[active].tolist(),
+                decisions.append(dict(rows=len(active), lengths=np.asarray(lengths)[active].tolist(),
                                       predicted=policy.predicted_goodput, plain=policy.predicted_plain_goodput))
                 return lengths
 
