@@ -41,8 +41,7 @@ from .distributed import tensor_parallel_group
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
-from .prefill import prefill_passes
-from .runner import models_in_use, resolve_backend, runner_for, runners_of
+from .runner import PackedLayout, models_in_use, resolve_backend, runner_for, runners_of
 from .sampling import TREE_PROBLEMS
 from .stats import RequestStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
@@ -166,9 +165,6 @@ class Engine:
                                      attention=attention, graph_shape=graph_shape, compile=compile,
                                      hidden_layers=hidden_layers)
             self._stack.enter_context(self.runner.attached())
-            # the fast backend prefills in groups of the graphs' size, replayed or not (prefill.py)
-            self._prefill_group = None if attention != "fast" else (
-                self.runner.graphs.max_group_tokens if self.runner.graphs is not None else max_draft + 1)
             self.runner.in_use = True
             self._stack.callback(setattr, self.runner, "in_use", False)
             for d in self.drafters:
@@ -345,14 +341,15 @@ class Engine:
         return rows
 
     def _prefill(self, rows: np.ndarray) -> None:
-        """Fill the target's cache with each admitted prompt but its last token (the step feeds
-        it), in graph replays where few suffice (prefill.py)."""
+        """Fill the target's cache with each admitted prompt but its last token (the step feeds it),
+        in one eager pass: each prompt one group, whatever is admitted beside it."""
         rows = rows[(self.batch.prompt_lengths[rows] > 1) & ~self.batch.finished[rows]]
         if len(rows):
-            for layout in prefill_passes(rows, self.batch.prompt_lengths[rows] - 1, self._prefill_group,
-                                         self.runner.graphs):
-                token_ids = self.batch.packed_tokens(layout.rows, layout.starts, layout.starts + layout.counts)  # [N]
-                self.runner.forward(to_device(token_ids, self.device), layout, logits_indices=np.zeros(1, dtype=np.int64))
+            counts = self.batch.prompt_lengths[rows] - 1
+            starts = np.zeros(len(rows), dtype=np.int64)
+            token_ids = self.batch.packed_tokens(rows, starts, counts)
+            layout = PackedLayout(rows=rows, starts=starts, counts=counts)
+            self.runner.forward(to_device(token_ids, self.device), layout, logits_indices=np.zeros(1, dtype=np.int64))
 
     def _decode(self, stream) -> None:
         batch, timer = self.batch, self._timer

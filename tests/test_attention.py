@@ -143,11 +143,12 @@ def test_eager_passes_compile_no_kernel_once_the_runner_is_built():
     before = _compiled_kernel_variants()
     if before is None:
         pytest.skip("this Triton keeps its compiled kernels elsewhere")
-    for counts in ([1], [2], [3, 2], [7], [17], [20, 13], [33], [40, 1, 2]):
-        counts = np.array(counts, dtype=np.int64)
-        rows = np.arange(len(counts), dtype=np.int64)
-        layout = PackedLayout(rows=rows, starts=np.zeros(len(counts), dtype=np.int64), counts=counts)
-        token_ids = torch.randint(0, target.config.vocab_size, (int(counts.sum()),), device="cuda")
-        runner.forward(token_ids, layout)
+    with runner.attached():  # the model's attention writes this runner's cache
+        for counts in ([1], [2], [3, 2], [7], [17], [20, 13], [33], [40, 1, 2]):
+            counts = np.array(counts, dtype=np.int64)
+            rows = np.arange(len(counts), dtype=np.int64)
+            layout = PackedLayout(rows=rows, starts=np.zeros(len(counts), dtype=np.int64), counts=counts)
+            token_ids = torch.randint(0, target.config.vocab_size, (int(counts.sum()),), device="cuda")
+            runner.forward(token_ids, layout)
     torch.cuda.synchronize()
     assert _compiled_kernel_variants() == before

@@ -248,25 +248,31 @@ def test_requests_with_their_own_sampling_under_graphs():
     assert any(first[i] != hf_greedy(target, prompts[i], 20) for i in (1, 2, 5, 6))
 
 
-def test_an_engine_admitting_one_request_at_a_time_prefills_by_graph_replays():
-    """Refills prefill their prompts in groups of the graphs' size by replays, not eager passes,
-    and every request still gets the target's greedy output, as under an engine without graphs."""
+def test_a_prompts_cache_is_bitwise_the_same_whatever_is_admitted_beside_it():
+    """bf16, a 12-layer target: after admission, a prompt's keys and values are the same bits
+    whether it was admitted alone or with fifteen others, into an engine of plain decoding or of
+    k = 5 (graphed decoding steps, so the engines differ in their graphs): a request's output
+    can then not depend on what arrives beside it, near-ties included."""
     from specdec import Engine
 
-    target = make_model("llama", dtype=torch.float32, device="cuda")
-    prompts = random_prompts(6, target.config.vocab_size, seed=8, max_len=30)
-    outputs = {}
-    for graphs in (True, False):
-        drafter = ModelDrafter(perturbed_copy(target, 0.1), attention="fast", cuda_graphs=graphs)
-        with Engine(target, drafter, policy=FixedPolicy(3), max_rows=2, max_len=64, attention="fast",
-                    cuda_graphs=graphs, eos_token_id=[]) as engine:
-            ids = [engine.add_request(p, max_new_tokens=4 + i) for i, p in enumerate(prompts)]  # rows finish apart
-            finished = {}
-            while engine.has_work():
-                eager = engine.runner.eager_passes
-                admitted = engine.admit()
-                if graphs and len(admitted) == 1:  # one refill: a few replays
-                    assert engine.runner.eager_passes == eager
-                finished.update((done.id, done) for done in engine.step())
-            outputs[graphs] = [finished[i].token_ids for i in ids]
-    assert outputs[True] == outputs[False] == [hf_greedy(target, p, 4 + i) for i, p in enumerate(prompts)]
+    target = make_model("llama", vocab_size=8192, num_layers=12, hidden=512, dtype=torch.bfloat16, device="cuda",
+                        max_positions=512)
+    prompts = random_prompts(16, 8192, seed=4, min_len=60, max_len=127)
+
+    def cache_of_first(policy, drafter, admitted):
+        with Engine(target, drafter, policy=policy, max_rows=16, max_len=256, max_new_tokens=128, **GRAPHS) as engine:
+            for prompt in admitted:
+                engine.add_request(prompt, max_new_tokens=8)
+            engine.admit()
+            length = len(admitted[0]) - 1  # the prefill writes all but the last prompt token
+            cache = engine.runner.cache
+            return [torch.cat([cache.keys[j][0, :, :length], cache.values[j][0, :, :length]]).clone()
+                    for j in range(len(cache.keys))]
+
+    alone = cache_of_first(FixedPolicy(0), None, prompts[:1])
+    cases = {"with fifteen others": cache_of_first(FixedPolicy(0), None, prompts),
+             "alone, k = 5": cache_of_first(FixedPolicy(5), drafter_of("model", target), prompts[:1]),
+             "with fifteen others, k = 5": cache_of_first(FixedPolicy(5), drafter_of("model", target), prompts)}
+    differ = {name: [j for j, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
+              for name, got in cases.items()}
+    assert not any(differ.values()), f"layers whose cache differs from the prompt's alone: {differ}"
