@@ -251,7 +251,8 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_len: 
     heads_per_kv = num_heads // num_kv_heads
     cache = torch.zeros(1, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # [1, Hkv, L, D]
     for tokens in sorted({min(1 + rows // heads_per_kv, max_len) for rows in (0, 16, 32)}):
-        query = torch.zeros(1, num_heads, tokens, head_dim, dtype=dtype, device=device)[0].transpose(0, 1)  # [N, H, D]
+        # laid out as a model's attention hands it over: [1, N, H, D] projected, viewed as [1, H, N, D]
+        query = torch.zeros(1, tokens, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)[0].transpose(0, 1)
         index = torch.zeros(1, dtype=torch.int64, device=device)
         packed_attention(query, cache, cache, torch.arange(tokens, device=device), index, index,
                          torch.full((1,), tokens, dtype=torch.int64, device=device), tokens, 1.0, None,
