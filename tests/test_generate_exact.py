@@ -15,7 +15,7 @@ from specdec import generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.policies import FixedPolicy
 from specdec.types import Plan
-from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier
+from specdec.verifiers import DecomposedVerifier, PaddedVerifier, PaddingFreeVerifier
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from tests.tiny import ARCHS, AlternatingPolicy, cached_model, device_params, hf_greedy, make_model, perturbed_copy, random_prompts
@@ -48,7 +48,7 @@ def make_drafter(kind, arch, device, dtype):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize("num_draft_tokens", [1, 3, 6])
-@pytest.mark.parametrize("verifier_class", [PaddedVerifier, PaddingFreeVerifier])
+@pytest.mark.parametrize("verifier_class", [PaddedVerifier, PaddingFreeVerifier, DecomposedVerifier])
 @pytest.mark.parametrize("drafter_kind", ["model", "lookup"])
 def test_greedy_output_equals_target_greedy(drafter_kind, verifier_class, num_draft_tokens, batch_size, arch, device, dtype):
     target = cached_model(arch, device, dtype)
