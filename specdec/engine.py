@@ -1,7 +1,7 @@
 """Engine: continuous batching, the serving loop SmartSpec and SPIN assume (DESIGN §9).
 
 Requests arrive with ``add_request`` and wait; each ``step()`` first admits waiting requests into
-free cache rows (their prompts are prefilled in one pass before the step's plan),
+free cache rows (their prompts are prefilled before the step's plan: prefill.py),
 then runs one speculative step over every row in flight: the policy plans (drafter and length
 per row), drafters propose, the verifier scores every active row's draft in one target forward
 and applies the acceptance rule, the rows commit the emitted tokens (the step's one host
@@ -19,8 +19,8 @@ budget, its sampling parameters and its seed, never on what else is in flight or
 rows never attend to each other, the sampling noise of a token is a function of (seed, position)
 alone, and each row is processed with its own parameters by the same operations as alone.
 
-Cost per step: one target forward over the active rows' drafts (plus one prefill pass in a step
-that admits requests), the drafters' passes, and one device-to-host copy. While rows with
+Cost per step: one target forward over the active rows' drafts (plus the prefill's passes in a
+step that admits requests: replays of one graph under CUDA graphs), the drafters' passes, and one device-to-host copy. While rows with
 different sampling parameters are in flight, also one small host-to-device copy of them per
 pass that samples, and the processing of every row's distribution (greedy rows' included).
 """
@@ -41,7 +41,8 @@ from .distributed import tensor_parallel_group
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
-from .runner import PackedLayout, models_in_use, resolve_backend, runner_for, runners_of
+from .prefill import PREFILL_TOKENS, prefill_passes
+from .runner import models_in_use, resolve_backend, runner_for, runners_of
 from .sampling import TREE_PROBLEMS
 from .stats import RequestStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
@@ -164,6 +165,8 @@ class Engine:
             self.runner = runner_for(target, role="target", max_rows=max_rows, max_len=max_len + max_draft + 1,
                                      attention=attention, graph_shape=graph_shape, compile=compile,
                                      hidden_layers=hidden_layers)
+            if cuda_graphs and self.runner.prefill_graph is None:  # admissions replay it (prefill.py)
+                self.runner.enable_prefill_graph(PREFILL_TOKENS)
             self._stack.enter_context(self.runner.attached())
             self.runner.in_use = True
             self._stack.callback(setattr, self.runner, "in_use", False)
@@ -341,15 +344,14 @@ class Engine:
         return rows
 
     def _prefill(self, rows: np.ndarray) -> None:
-        """Fill the target's cache with each admitted prompt but its last token (the step feeds it),
-        in one eager pass: each prompt one group, whatever is admitted beside it."""
+        """Fill the target's cache with each admitted prompt but its last token (the step feeds
+        it): replays of the prefill graph under CUDA graphs, else one eager pass (prefill.py)."""
         rows = rows[(self.batch.prompt_lengths[rows] > 1) & ~self.batch.finished[rows]]
         if len(rows):
-            counts = self.batch.prompt_lengths[rows] - 1
-            starts = np.zeros(len(rows), dtype=np.int64)
-            token_ids = self.batch.packed_tokens(rows, starts, counts)
-            layout = PackedLayout(rows=rows, starts=starts, counts=counts)
-            self.runner.forward(to_device(token_ids, self.device), layout, logits_indices=np.zeros(1, dtype=np.int64))
+            for layout in prefill_passes(rows, self.batch.prompt_lengths[rows] - 1, self.runner.prefill_graph):
+                token_ids = self.batch.packed_tokens(layout.rows, layout.starts, layout.starts + layout.counts)  # [N]
+                self.runner.forward(to_device(token_ids, self.device), layout, logits_indices=np.zeros(1, dtype=np.int64),
+                                    prefill=True)
 
     def _decode(self, stream) -> None:
         batch, timer = self.batch, self._timer

@@ -57,7 +57,8 @@ def _no_duck_shapes():
 
 
 class GraphedForward:
-    def __init__(self, runner, max_group_tokens: int, max_tokens: int, compile: bool = False):
+    def __init__(self, runner, max_group_tokens: int, max_tokens: int, compile: bool = False, one_bucket: bool = False):
+        """one_bucket: capture the bucket of ``max_tokens`` tokens alone (every pass replays it)."""
         self.runner = runner
         self.compiled = compile
         self._model = torch.compile(runner.model, dynamic=True) if compile else runner.model
@@ -65,6 +66,7 @@ class GraphedForward:
         first = 1 if compile else 0  # exponent of the smallest bucket: compiled, no size-1 bucket (module docstring)
         # powers of two from 2^first up to the first >= max_tokens
         self.buckets = [1 << i for i in range(first, max(first, (max_tokens - 1).bit_length()) + 1)]
+        self.buckets = self.buckets[-1:] if one_bucket else self.buckets
         self.max_tokens = self.buckets[-1]
         self.max_groups = min(self.max_tokens, runner.cache.max_rows - 1) + 1  # + the filler group
         device = runner.device

@@ -419,6 +419,7 @@ class ModelRunner:
             head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
             compile_variants(heads, kv_heads, head_dim, max_len, self.kv_splits, model.dtype, self.device)
         self.graphs = None
+        self.prefill_graph = None  # GraphedForward of one bucket for prompts (enable_prefill_graph)
         self._checked_layers = False
         self.in_use = False  # a drafter holds it for a call (drafters.model: one runner per drafter in a call)
         # the hidden states kept from every pass, and who hears of each dense pass (observe())
@@ -445,14 +446,28 @@ class ModelRunner:
         with self.attached():
             self.graphs.capture()
 
+    def enable_prefill_graph(self, tokens: int) -> None:
+        """Capture one CUDA graph for prompt passes of up to ``tokens`` tokens (the prefill's:
+        specdec/prefill.py), whatever its groups; every such pass replays it, padded to that
+        size, so its products have one shape whatever is admitted. Needs graphs (enable_graphs)."""
+        from .graphs import GraphedForward
+
+        if self.graphs is None:
+            raise ValueError("a prefill graph goes with the runner's decoding graphs: call enable_graphs first")
+        self.prefill_graph = GraphedForward(self, tokens, tokens, one_bucket=True)
+        with self.attached():
+            self.prefill_graph.capture()
+
     def release(self) -> None:
         """Drop the captured graphs and the cache now. A graph's memory pool freed while another
         graph is being captured invalidates that capture, so replaced runners are released
         explicitly rather than left to the cyclic garbage collector."""
-        if self.graphs is not None:
+        if self.graphs is not None or self.prefill_graph is not None:
             torch.cuda.synchronize(self.device)
-            self.graphs.release()
-        self.graphs = None
+        for graphs in (self.graphs, self.prefill_graph):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.prefill_graph = None
         self.cache = KVCache(self.num_layers, 1, 1)
 
     def covers(self, max_rows: int, max_len: int, attention: str, graph_shape: tuple[int, int] | None,
@@ -493,13 +508,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, layout: PackedLayout, logits_indices: np.ndarray | None = None,
-        tree: TreeLayout | None = None, sparse: SparseLayout | None = None,
+        tree: TreeLayout | None = None, sparse: SparseLayout | None = None, prefill: bool = False,
     ) -> torch.Tensor:
         """Run the packed tokens and return their logits.
 
         input_ids: [N] on the model's device, grouped as ``layout`` says; logits_indices: packed
         indices whose logits are wanted (all when None); tree: the positions and ancestor masks
-        of a tree pass; sparse: the sink and window starts of a static sparse pass
+        of a tree pass; sparse: the sink and window starts of a static sparse pass; prefill: a
+        pass of prompts, replayed from the prefill graph where it fits
         -> logits [len(logits_indices) or N, V].
         The cache's lengths are left to the caller (it knows which tokens it commits to).
         """
@@ -516,14 +532,15 @@ class ModelRunner:
             check_tree_layout(layout, tree)
         if sparse is not None:
             check_sparse_layout(layout, sparse)
-        if self.graphs is not None and self.graphs.fits(layout.counts):
+        graphs = self.prefill_graph if prefill else self.graphs
+        if graphs is not None and graphs.fits(layout.counts):
             if tree is not None:  # the attention checks eager passes itself; a replay runs no Python
                 window_covers_tree(last_position, self.cache.smallest_window)
             self.graph_passes += 1
-            logits = self.graphs.run(input_ids, layout.rows, layout.starts, layout.counts, tree=tree,
-                                     sparse=sparse)  # valid until the next replay
+            logits = graphs.run(input_ids, layout.rows, layout.starts, layout.counts, tree=tree,
+                                sparse=sparse)  # valid until the next replay
             num_tokens = layout.num_tokens
-            self._observe(layout, tree, sparse, self.graphs.token_rows[:num_tokens], self.graphs.positions[:num_tokens])
+            self._observe(layout, tree, sparse, graphs.token_rows[:num_tokens], graphs.positions[:num_tokens])
             return logits if logits_indices is None else logits[to_device(logits_indices, self.device)]
         self.eager_passes += 1
         meta = packed_metadata(layout, self.cache, self.device, self.backend, tree, sparse, self.kv_splits, self.role)

@@ -49,7 +49,8 @@ def test_no_capture_after_the_warm_up():
     again = generate(target, prompts[::-1], drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
     assert runners_of(target)["target"] is target_runner and runners_of(drafter.model)[drafter_role] is drafter_runner
     assert (target_runner.graphs.captures, drafter_runner.graphs.captures) == captured
-    assert again.sequences == first.sequences[::-1]
+    assert target_runner.prefill_graph.captures == 1  # the prompts' graph, once (prefill.py)
+    assert again.sequences == first.sequences[::-1]  # packed the other way round, the prompts' passes too
 
 
 @pytest.mark.parametrize("drafter_kind", ["model", "lookup", "model tree", "sampled model tree"])
@@ -250,29 +251,36 @@ def test_requests_with_their_own_sampling_under_graphs():
 
 def test_a_prompts_cache_is_bitwise_the_same_whatever_is_admitted_beside_it():
     """bf16, a 12-layer target: after admission, a prompt's keys and values are the same bits
-    whether it was admitted alone or with fifteen others, into an engine of plain decoding or of
-    k = 5 (graphed decoding steps, so the engines differ in their graphs): a request's output
-    can then not depend on what arrives beside it, near-ties included."""
+    whether it was admitted alone (one replay of the prefill graph), with fifteen others (several
+    replays, prompts cut at their boundaries) or with fifteen long ones (more replays than
+    prefill.MAX_REPLAYS: one eager pass), into an engine of plain decoding or of k = 5: a
+    request's output can then not depend on what arrives beside it, near-ties included."""
     from specdec import Engine
+    from specdec.prefill import MAX_REPLAYS, PREFILL_TOKENS
 
     target = make_model("llama", vocab_size=8192, num_layers=12, hidden=512, dtype=torch.bfloat16, device="cuda",
-                        max_positions=512)
+                        max_positions=1024)
     prompts = random_prompts(16, 8192, seed=4, min_len=60, max_len=127)
+    long_ones = random_prompts(15, 8192, seed=5, min_len=PREFILL_TOKENS * MAX_REPLAYS // 15 + 10, max_len=400)
 
-    def cache_of_first(policy, drafter, admitted):
-        with Engine(target, drafter, policy=policy, max_rows=16, max_len=256, max_new_tokens=128, **GRAPHS) as engine:
+    def cache_of_first(policy, drafter, admitted, replayed):
+        with Engine(target, drafter, policy=policy, max_rows=16, max_len=512, max_new_tokens=64, **GRAPHS) as engine:
             for prompt in admitted:
                 engine.add_request(prompt, max_new_tokens=8)
+            eager = engine.runner.eager_passes
             engine.admit()
+            assert (engine.runner.eager_passes == eager) == replayed
             length = len(admitted[0]) - 1  # the prefill writes all but the last prompt token
             cache = engine.runner.cache
             return [torch.cat([cache.keys[j][0, :, :length], cache.values[j][0, :, :length]]).clone()
                     for j in range(len(cache.keys))]
 
-    alone = cache_of_first(FixedPolicy(0), None, prompts[:1])
-    cases = {"with fifteen others": cache_of_first(FixedPolicy(0), None, prompts),
-             "alone, k = 5": cache_of_first(FixedPolicy(5), drafter_of("model", target), prompts[:1]),
-             "with fifteen others, k = 5": cache_of_first(FixedPolicy(5), drafter_of("model", target), prompts)}
+    alone = cache_of_first(FixedPolicy(0), None, prompts[:1], replayed=True)
+    cases = {"with fifteen others": cache_of_first(FixedPolicy(0), None, prompts, replayed=True),
+             "with fifteen long ones": cache_of_first(FixedPolicy(0), None, prompts[:1] + long_ones, replayed=False),
+             "alone, k = 5": cache_of_first(FixedPolicy(5), drafter_of("model", target), prompts[:1], replayed=True),
+             "with fifteen others, k = 5": cache_of_first(FixedPolicy(5), drafter_of("model", target), prompts,
+                                                          replayed=True)}
     differ = {name: [j for j, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
               for name, got in cases.items()}
     assert not any(differ.values()), f"layers whose cache differs from the prompt's alone: {differ}"
