@@ -42,8 +42,10 @@ def synchronise(device: str) -> None:
 
 
 def timed_generate(target, prompts, batch, drafter, k, settings, eos, graphs, compiled, verifier=None,
-                   sampling=None) -> tuple[list[list[int]], float, float]:
-    kwargs = dict(drafter=drafter, verifier=verifier or PaddingFreeVerifier(), policy=FixedPolicy(k),
+                   sampling=None, policy=None, details: dict | None = None) -> tuple[list[list[int]], float, float]:
+    """-> (outputs, median seconds of the timed passes, tau). policy: default FixedPolicy(k);
+    details: if given, receives the last pass's padding_fraction and verify_s_per_step."""
+    kwargs = dict(drafter=drafter, verifier=verifier or PaddingFreeVerifier(), policy=policy or FixedPolicy(k),
                   max_new_tokens=settings.max_new_tokens, eos_token_id=eos, cuda_graphs=graphs, compile=compiled,
                   sampling=sampling)
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
@@ -58,6 +60,10 @@ def timed_generate(target, prompts, batch, drafter, k, settings, eos, graphs, co
         synchronise(settings.device)
         timings.append(time.perf_counter() - started)
     seconds = float(np.median(timings))
+    if details is not None:
+        stats = [out.stats for out in outputs]
+        details.update(padding_fraction=sum(s.padding_tokens for s in stats) / max(sum(s.target_tokens for s in stats), 1),
+                       verify_s_per_step=sum(s.verify_time_s for s in stats) / max(sum(s.steps for s in stats), 1))
     sequences = [s for out in outputs for s in out.sequences]
     steps = sum(r.steps for out in outputs for r in out.stats.requests)
     return sequences, seconds, sum(map(len, sequences)) / steps

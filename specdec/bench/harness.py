@@ -49,15 +49,20 @@ def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
     """Every part the settings name, in one process; one result dictionary. ``checkpoint`` (if
     given) receives the partial result after every measurement, so a run cut short keeps them."""
     save = checkpoint or (lambda partial: None)
-    unknown = set(settings.parts) - {"zoo", "bandwidth", "trees"}
+    unknown = set(settings.parts) - {"zoo", "bandwidth", "trees", "verifiers"}
     if unknown:
-        raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth, trees")
+        raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth, trees, verifiers")
     result = {"environment": environment(settings.device), "settings": asdict(settings), "rows": []}
     if "zoo" in settings.parts:
         result.update(run_zoo(settings, log, lambda zoo_part: save({**result, **zoo_part})))
         save(result)
     if "trees" in settings.parts:
         result["trees"] = run_trees(settings, log, lambda rows: save({**result, "trees": rows}))
+        save(result)
+    if "verifiers" in settings.parts:
+        from .verifiers import run_verifiers
+
+        result["verifiers"] = run_verifiers(settings, log, lambda part: save({**result, "verifiers": part}))
         save(result)
     if "bandwidth" in settings.parts:
         if settings.device.startswith("cuda"):

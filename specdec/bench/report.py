@@ -21,8 +21,28 @@ def provenance(env: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    parts = [_zoo_table(result)] if result.get("rows") or "trees" not in result else []
-    return "\n".join(parts + [_trees_table(result), _bandwidth_table(result), _targets_table(result)])
+    parts = [_zoo_table(result)] if result.get("rows") or not ({"trees", "verifiers"} & set(result)) else []
+    return "\n".join(parts + [_trees_table(result), _verifiers_table(result), _bandwidth_table(result),
+                              _targets_table(result)])
+
+
+def _verifiers_table(result: dict) -> str:
+    part = result.get("verifiers")
+    if not part:
+        return ""
+    lines = [f"{provenance(result['environment'])} Greedy; drafter {part['drafter']} (workload spread) or prompt "
+             "lookup; identical: the padded verifier's output token for token.", "",
+             "| workload | batch | verifier | tok/s | padding | verify ms / step | tau | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in part["rows"]:
+        if row["error"]:
+            lines.append(f"| {row['workload']} | {row['batch']} | {row['verifier']} | failed: {row['error'][:80]} "
+                         "| | | | |")
+            continue
+        lines.append(f"| {row['workload']} | {row['batch']} | {row['verifier']} | {row['tokens_per_s']:.0f} | "
+                     f"{row['padding_fraction']:.1%} | {row['verify_ms']:.2f} | {row['tau']:.2f} | "
+                     f"{'yes' if row['identical'] else 'no'} |")
+    return "\n".join(lines + ["", *target_lines(part.get("targets", []))]) + "\n"
 
 
 def _trees_table(result: dict) -> str:
