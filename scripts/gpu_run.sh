@@ -10,6 +10,8 @@
 #   bench     python -m specdec bench (the same, every batch size, ~7 min)
 #   trees     python -m specdec bench --parts trees (chains against token trees, batch $BATCH_SIZES, default 1,4,16,64,
 #             temperatures $TEMPERATURES, default 0,0.8; more options in $TREES_ARGS, e.g. "--dtype float32")
+#   verifiers python -m specdec bench --parts verifiers (padded, padding-free and decomposed verification of ragged
+#             draft lengths, batch $BATCH_SIZES, default 1,16,64)
 #   long      python -m specdec bench --long-context on the gpu-long zoo (built first, with its SPIRe drafts:
 #             ~8 min alone), contexts $CONTEXTS (default 1024,4096,16384), batch $BATCH_SIZES (default 1,16,64),
 #             k $KS (default 2,3,4,5,6); more options in $LONG_ARGS
@@ -37,7 +39,7 @@ TAG=${TAG:-gpu}
 if has tests; then
   timeout 480 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$WORK/cuda_tests.log" | tail -25; pack
 fi
-if has quick || has bench || has trees || has serve || has policies || has demo; then  # the gpu zoo
+if has quick || has bench || has trees || has verifiers || has serve || has policies || has demo; then  # the gpu zoo
   timeout 300 python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
     | grep -v -E "Writing model|Loading weights|it/s" | tail -6 | tee "$WORK/zoo_build.log"
   cp "$SPECDEC_ZOO_DIR/gpu/manifest.json" "$WORK/zoo_gpu_manifest_$TAG.json"; pack
@@ -47,6 +49,9 @@ has bench && { python3 -m specdec bench --out "$WORK" 2>&1 | tee "$WORK/bench.lo
 has trees && { timeout ${TREES_TIMEOUT:-540} python3 -m specdec bench --parts trees --no-peers --batch-sizes "${BATCH_SIZES:-1,4,16,64}" \
   --temperatures "${TEMPERATURES:-0,0.8}" --repeats "${REPEATS:-3}" ${TREES_ARGS:-} \
   --out "$WORK" 2>&1 | tee "$WORK/trees.log" | quiet | tail -60; pack; }
+has verifiers && { timeout ${VERIFIERS_TIMEOUT:-540} python3 -m specdec bench --parts verifiers --no-peers \
+  --batch-sizes "${BATCH_SIZES:-1,16,64}" --repeats "${REPEATS:-3}" --out "$WORK" 2>&1 | tee "$WORK/verifiers.log" \
+  | quiet | tail -40; pack; }
 if has long; then
   timeout ${LONG_BUILD_TIMEOUT:-560} python3 -m specdec zoo build --preset gpu-long --device cuda 2>&1 | tr '\r' '\n' \
     | grep -v -E "Writing model|Loading weights|it/s" | tail -8 | tee "$WORK/zoo_build_long.log"
