@@ -144,6 +144,8 @@ class Engine:
                      else min(self.policy.max_draft_tokens, max(self.max_new_tokens - 1, 0)))
         attention, cuda_graphs, compile = resolve_backend(target, attention, cuda_graphs, compile)
         graph_shape = (max_draft + 1, max_rows * (max_draft + 1)) if cuda_graphs else None
+        if graph_shape is not None and self.verifier.cuts_rows:  # a group a token at most
+            graph_shape += (graph_shape[1],)
         self._group = tensor_parallel_group(target)  # None unless the target is sharded over processes
         self.recorder = StatsRecorder(max_rows, max_draft)
         self._prefill_passes, self._prefill_s = 0, 0.0  # admitting steps and their host seconds (load_stats)

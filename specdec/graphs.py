@@ -57,8 +57,10 @@ def _no_duck_shapes():
 
 
 class GraphedForward:
-    def __init__(self, runner, max_group_tokens: int, max_tokens: int, compile: bool = False, one_bucket: bool = False):
-        """one_bucket: capture the bucket of ``max_tokens`` tokens alone (every pass replays it)."""
+    def __init__(self, runner, max_group_tokens: int, max_tokens: int, compile: bool = False, one_bucket: bool = False,
+                 max_groups: int | None = None):
+        """one_bucket: capture the bucket of ``max_tokens`` tokens alone (every pass replays it);
+        max_groups: the most groups a pass holds (None: one a cache row)."""
         self.runner = runner
         self.compiled = compile
         self._model = torch.compile(runner.model, dynamic=True) if compile else runner.model
@@ -68,7 +70,8 @@ class GraphedForward:
         self.buckets = [1 << i for i in range(first, max(first, (max_tokens - 1).bit_length()) + 1)]
         self.buckets = self.buckets[-1:] if one_bucket else self.buckets
         self.max_tokens = self.buckets[-1]
-        self.max_groups = min(self.max_tokens, runner.cache.max_rows - 1) + 1  # + the filler group
+        groups = runner.cache.max_rows - 1 if max_groups is None else max_groups
+        self.max_groups = min(self.max_tokens, groups) + 1  # + the filler group
         device = runner.device
         # one int64 buffer: ids, cache slots, rows, RoPE positions, tree masks [T each]; group rows,
         # first tokens, counts, tree starts, sink ends, window starts [G each]. Every pass runs the

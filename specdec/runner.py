@@ -348,13 +348,14 @@ def runners_of(model) -> dict:
 
 
 def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str = "reference",
-               graph_shape: tuple[int, int] | None = None, compile: bool = False,
+               graph_shape: tuple[int, ...] | None = None, compile: bool = False,
                hidden_layers: tuple[int, ...] = ()) -> "ModelRunner":
     """A runner for ``model`` big enough for the call, reused across calls while it fits (its
     cache and captured graphs stay allocated as long as the model lives).
 
     role: "target" or "drafter": a model drafting for itself gets a cache of its own per role.
-    graph_shape: (max tokens per group, max tokens per pass) to capture CUDA graphs for, or None.
+    graph_shape: (max tokens per group, max tokens per pass[, max groups per pass]) to capture CUDA
+    graphs for, or None; groups default to one a row (a verifier that cuts rows needs more).
     compile: compile the graphed passes with torch.compile before capturing them.
     hidden_layers: hidden states to keep from every pass (hidden_states.HiddenStateTap).
     """
@@ -428,10 +429,12 @@ class ModelRunner:
         self.graph_passes = 0  # forward passes replayed from a captured graph
         self.eager_passes = 0  # forward passes run eagerly (no graphs, or a pass that fits none)
 
-    def enable_graphs(self, max_group_tokens: int, max_tokens: int, compile: bool = False) -> None:
+    def enable_graphs(self, max_group_tokens: int, max_tokens: int, max_groups: int | None = None,
+                      compile: bool = False) -> None:
         """Capture CUDA graphs for passes of up to ``max_tokens`` tokens in groups of at most
-        ``max_group_tokens`` (the explicit warm-up; passes that do not fit run eagerly), after
-        compiling those passes with torch.compile when ``compile``."""
+        ``max_group_tokens`` (and at most ``max_groups`` groups; None: one a row) (the explicit
+        warm-up; passes that do not fit run eagerly), after compiling those passes with
+        torch.compile when ``compile``."""
         from .graphs import GraphedForward
 
         if is_split(self.model):
@@ -442,7 +445,7 @@ class ModelRunner:
         if compile and self.tap is not None:
             raise ValueError("compile=True cannot keep hidden states (a drafter that reads the target's activations "
                              "asked for them): pass compile=False; CUDA graphs still work")
-        self.graphs = GraphedForward(self, max_group_tokens, max_tokens, compile=compile)
+        self.graphs = GraphedForward(self, max_group_tokens, max_tokens, compile=compile, max_groups=max_groups)
         with self.attached():
             self.graphs.capture()
 
@@ -470,7 +473,7 @@ class ModelRunner:
         self.graphs = self.prefill_graph = None
         self.cache = KVCache(self.num_layers, 1, 1)
 
-    def covers(self, max_rows: int, max_len: int, attention: str, graph_shape: tuple[int, int] | None,
+    def covers(self, max_rows: int, max_len: int, attention: str, graph_shape: tuple[int, ...] | None,
                compile: bool = False, hidden_layers: tuple[int, ...] = ()) -> bool:
         """Whether this runner can serve a call of that size (so its cache and graphs are reused)."""
         if self.max_rows < max_rows or self.cache.max_len < max_len or self.attention != attention:
@@ -481,8 +484,10 @@ class ModelRunner:
             return False  # moved, cast or reloaded since: graphs would replay over stale weights
         if graph_shape is None:
             return self.graphs is None
+        groups = graph_shape[2] if len(graph_shape) > 2 else min(graph_shape[1], max_rows)  # real groups a pass
         return (self.graphs is not None and self.graphs.max_group_tokens >= graph_shape[0]
-                and self.graphs.max_tokens >= graph_shape[1] and self.graphs.compiled == compile)
+                and self.graphs.max_tokens >= graph_shape[1] and self.graphs.max_groups > groups
+                and self.graphs.compiled == compile)
 
     @contextlib.contextmanager
     def attached(self) -> Iterator["ModelRunner"]:

@@ -13,7 +13,7 @@ from specdec.drafters.tree import TreeSpec
 from specdec.policies import FixedPolicy, Policy
 from specdec.runner import runners_of
 from specdec.types import Plan
-from specdec.verifiers import PaddedVerifier, PaddingFreeVerifier, TreeVerifier
+from specdec.verifiers import DecomposedVerifier, PaddedVerifier, PaddingFreeVerifier, TreeVerifier
 from tests.tiny import ARCHS, hf_greedy, make_model, perturbed_copy, random_prompts
 
 pytestmark = pytest.mark.cuda
@@ -28,7 +28,7 @@ def drafter_of(kind, target):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("drafter_kind", ["model", "lookup"])
-@pytest.mark.parametrize("verifier_class", [PaddedVerifier, PaddingFreeVerifier])
+@pytest.mark.parametrize("verifier_class", [PaddedVerifier, PaddingFreeVerifier, DecomposedVerifier])
 def test_graphs_give_the_target_greedy_output(arch, drafter_kind, verifier_class):
     target = make_model(arch, dtype=torch.float32, device="cuda")
     prompts = random_prompts(8, target.config.vocab_size, seed=4)
@@ -284,3 +284,20 @@ def test_a_prompts_cache_is_bitwise_the_same_whatever_is_admitted_beside_it():
     differ = {name: [j for j, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
               for name, got in cases.items()}
     assert not any(differ.values()), f"layers whose cache differs from the prompt's alone: {differ}"
+
+
+def test_decomposed_pieces_replay_from_the_graphs_and_stay_exact():
+    """Ragged per-row lengths cut into pieces (more groups than rows) still fit the graphs the
+    engine captured for a verifier that cuts rows: no eager pass after the warm-up."""
+    from tests.verifiers.test_verifiers import RaggedLengths
+
+    target = make_model("llama", dtype=torch.float32, device="cuda")
+    prompts = random_prompts(6, target.config.vocab_size, seed=12)
+    policy = type("Ragged", (RaggedLengths, Policy), {})
+    kwargs = dict(drafter=drafter_of("model", target), verifier=DecomposedVerifier(0.0), max_new_tokens=20, **GRAPHS)
+    generate(target, prompts, policy=policy(), **kwargs)  # warm-up: runners, graphs
+    runner = runners_of(target)["target"]
+    eager = runner.eager_passes
+    out = generate(target, prompts, policy=policy(), **kwargs)
+    assert out.sequences == [hf_greedy(target, p, 20) for p in prompts]
+    assert out.stats.padding_fraction < 0.2 and runner.eager_passes == eager

@@ -28,6 +28,9 @@ from ..types import PAD_ID, Draft, RowSampling, SamplingParams, Verdict, VerifyC
 class Verifier(ABC):
     #: whether this layout verifies token trees (drafts with parents); TreeVerifier's does
     verifies_trees: bool = False
+    #: whether a pass may hold several groups of one row (DecomposedVerifier's pieces): CUDA
+    #: graphs are then captured for as many groups as tokens
+    cuts_rows: bool = False
 
     def verify(
         self, runner: ModelRunner, batch: BatchState, draft: Draft, sampling: SamplingParams | RowSampling,

@@ -13,8 +13,8 @@ no padding and a piece per token; with a large one, one piece a row, the padded 
 Invariant: the verdict equals the padded and padding-free verifiers' (the same slots are
 scored; pad slots sit after a row's chain, where no real query attends, and their cache
 entries lie beyond the row's committed length, stale). Cost: P * w target tokens, of which
-P * w - sum_r (1 + k_r) padding (VerifyCost). With CUDA graphs, a pass of more pieces than the
-graphs' groups (the engine's rows) runs eagerly.
+P * w - sum_r (1 + k_r) padding (VerifyCost). Under CUDA graphs the Engine captures its graphs
+for as many groups as tokens (Verifier.cuts_rows), so a pass of pieces is replayed too.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def piece_width(chain_lengths: np.ndarray, piece_cost: float) -> int:
 
 
 class DecomposedVerifier(Verifier):
+    cuts_rows = True
+
     def __init__(self, piece_cost: float = 1.0):
         """piece_cost: what one more piece (a group of the pass) costs, in target tokens."""
         if isinstance(piece_cost, bool) or not isinstance(piece_cost, (int, float)) or not piece_cost >= 0:
