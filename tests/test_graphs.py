@@ -250,40 +250,40 @@ def test_requests_with_their_own_sampling_under_graphs():
 
 
 def test_a_prompts_cache_is_bitwise_the_same_whatever_is_admitted_beside_it():
-    """bf16, a 12-layer target: after admission, a prompt's keys and values are the same bits
-    whether it was admitted alone (one replay of the prefill graph), with fifteen others (several
-    replays, prompts cut at their boundaries) or with fifteen long ones (more replays than
-    prefill.MAX_REPLAYS: one eager pass), into an engine of plain decoding or of k = 5: a
+    """bf16, a 12-layer target: after admission, each prompt's keys and values are the same bits
+    whether it was admitted alone (one replay of the prefill graph) or packed with fifteen others
+    (several replays, some prompts cut across two, at other offsets of a pass), into an engine of
+    plain decoding or of k = 5, and a prompt admitted with long ones (many replays) too: a
     request's output can then not depend on what arrives beside it, near-ties included."""
     from specdec import Engine
-    from specdec.prefill import MAX_REPLAYS, PREFILL_TOKENS
 
     target = make_model("llama", vocab_size=8192, num_layers=12, hidden=512, dtype=torch.bfloat16, device="cuda",
                         max_positions=1024)
     prompts = random_prompts(16, 8192, seed=4, min_len=60, max_len=127)
-    long_ones = random_prompts(15, 8192, seed=5, min_len=PREFILL_TOKENS * MAX_REPLAYS // 15 + 10, max_len=400)
+    long_ones = random_prompts(15, 8192, seed=5, min_len=300, max_len=400)
 
-    def cache_of_first(policy, drafter, admitted, replayed):
+    def caches(policy, drafter, admitted):
+        """[request][layer] its cache after admission (request i holds row i)."""
         with Engine(target, drafter, policy=policy, max_rows=16, max_len=512, max_new_tokens=64, **GRAPHS) as engine:
             for prompt in admitted:
                 engine.add_request(prompt, max_new_tokens=8)
             eager = engine.runner.eager_passes
             engine.admit()
-            assert (engine.runner.eager_passes == eager) == replayed
-            length = len(admitted[0]) - 1  # the prefill writes all but the last prompt token
+            assert engine.runner.eager_passes == eager  # replays only
             cache = engine.runner.cache
-            return [torch.cat([cache.keys[j][0, :, :length], cache.values[j][0, :, :length]]).clone()
-                    for j in range(len(cache.keys))]
+            return [[torch.cat([cache.keys[j][row, :, :len(p) - 1], cache.values[j][row, :, :len(p) - 1]]).clone()
+                     for j in range(len(cache.keys))] for row, p in enumerate(admitted)]
 
-    alone = cache_of_first(FixedPolicy(0), None, prompts[:1], replayed=True)
-    cases = {"with fifteen others": cache_of_first(FixedPolicy(0), None, prompts, replayed=True),
-             "with fifteen long ones": cache_of_first(FixedPolicy(0), None, prompts[:1] + long_ones, replayed=False),
-             "alone, k = 5": cache_of_first(FixedPolicy(5), drafter_of("model", target), prompts[:1], replayed=True),
-             "with fifteen others, k = 5": cache_of_first(FixedPolicy(5), drafter_of("model", target), prompts,
-                                                          replayed=True)}
-    differ = {name: [j for j, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b)]
-              for name, got in cases.items()}
-    assert not any(differ.values()), f"layers whose cache differs from the prompt's alone: {differ}"
+    alone = [caches(FixedPolicy(0), None, [p])[0] for p in prompts]
+    packed = {"plain": caches(FixedPolicy(0), None, prompts),
+              "k = 5": caches(FixedPolicy(5), drafter_of("model", target), prompts)}
+    differ = {f"{name}, prompt {i}": [j for j, (a, b) in enumerate(zip(alone[i], got[i])) if not torch.equal(a, b)]
+              for name, got in packed.items() for i in range(len(prompts))}
+    with_long = caches(FixedPolicy(0), None, prompts[:1] + long_ones)[0]
+    differ["beside long prompts, prompt 0"] = [j for j, (a, b) in enumerate(zip(alone[0], with_long))
+                                               if not torch.equal(a, b)]
+    assert not any(differ.values()), f"layers whose cache differs from the prompt's alone: " \
+        f"{ {k: v for k, v in differ.items() if v} }"
 
 
 def test_decomposed_pieces_replay_from_the_graphs_and_stay_exact():

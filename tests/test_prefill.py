@@ -12,7 +12,7 @@ import torch
 from specdec import Engine
 from specdec.drafters import ModelDrafter
 from specdec.policies import FixedPolicy
-from specdec.prefill import MAX_REPLAYS, prefill_passes
+from specdec.prefill import prefill_passes
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
 
 VOCAB = 96
@@ -40,11 +40,11 @@ def test_passes_fill_each_position_once_within_the_graph(counts):
     assert all(layout.num_tokens == 8 for layout in passes[:-1] if len(layout.counts) < 2)  # full unless out of groups
 
 
-def test_too_many_replays_or_no_graph_make_one_eager_pass():
-    many = prefill_passes(np.array([0, 1]), np.array([8 * MAX_REPLAYS, 1]), graph_like(max_tokens=8, max_groups=3))
-    assert len(many) == 1 and many[0].counts.tolist() == [8 * MAX_REPLAYS, 1] and many[0].starts.tolist() == [0, 0]
+def test_without_a_graph_one_eager_pass_of_whole_prompts():
     whole = prefill_passes(np.array([3, 1]), np.array([9, 4]), None)
     assert len(whole) == 1 and whole[0].rows.tolist() == [3, 1] and whole[0].counts.tolist() == [9, 4]
+    many = prefill_passes(np.array([0, 1]), np.array([100, 1]), graph_like(max_tokens=8, max_groups=3))
+    assert len(many) == 13 and sum(layout.num_tokens for layout in many) == 101  # replays, however many
 
 
 @pytest.mark.parametrize("graph", [graph_like(8, 3), graph_like(5, 4), graph_like(16, 2)])
