@@ -58,10 +58,12 @@ def _no_duck_shapes():
 
 class GraphedForward:
     def __init__(self, runner, max_group_tokens: int, max_tokens: int, compile: bool = False, one_bucket: bool = False,
-                 max_groups: int | None = None):
+                 max_groups: int | None = None, logits: bool = True):
         """one_bucket: capture the bucket of ``max_tokens`` tokens alone (every pass replays it);
-        max_groups: the most groups a pass holds (None: one a cache row)."""
+        max_groups: the most groups a pass holds (None: one a cache row); logits: False computes
+        the head for the bucket's last slot only (a pass whose logits nobody reads: a prefill)."""
         self.runner = runner
+        self.logits_to_keep = 0 if logits else 1
         self.compiled = compile
         self._model = torch.compile(runner.model, dynamic=True) if compile else runner.model
         self.max_group_tokens = max_group_tokens
@@ -164,7 +166,7 @@ class GraphedForward:
             position_ids = position_ids.clamp(max=runner.max_position_id - 1)
         meta = self._metadata(bucket, self._groups_for(bucket))
         output = self._model(input_ids=self.input_ids[None, :bucket], position_ids=position_ids[None],
-                             use_cache=False, logits_to_keep=0, **{METADATA_KWARG: meta})
+                             use_cache=False, logits_to_keep=self.logits_to_keep, **{METADATA_KWARG: meta})
         return output.logits[0]
 
     def release(self) -> None:
@@ -236,7 +238,8 @@ class GraphedForward:
     def run(self, input_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
             bucket: int | None = None, tree=None, sparse=None) -> torch.Tensor:
         """Replay the graph of the smallest bucket that holds this pass (or of ``bucket``, one that
-        holds it) -> logits [N, V] (a view: copy before the next replay)."""
+        holds it) -> logits [N, V] (a view: copy before the next replay; [1, V] for a graph without
+        logits)."""
         num_tokens = int(counts.sum())
         if bucket is None:
             bucket = next(b for b in self.buckets if b >= num_tokens)

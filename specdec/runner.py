@@ -452,12 +452,13 @@ class ModelRunner:
     def enable_prefill_graph(self, tokens: int) -> None:
         """Capture one CUDA graph for prompt passes of up to ``tokens`` tokens (the prefill's:
         specdec/prefill.py), whatever its groups; every such pass replays it, padded to that
-        size, so its products have one shape whatever is admitted. Needs graphs (enable_graphs)."""
+        size, so its products have one shape whatever is admitted. Its head runs on the last slot
+        only: a prefill reads no logits. Needs graphs (enable_graphs)."""
         from .graphs import GraphedForward
 
         if self.graphs is None:
             raise ValueError("a prefill graph goes with the runner's decoding graphs: call enable_graphs first")
-        self.prefill_graph = GraphedForward(self, tokens, tokens, one_bucket=True)
+        self.prefill_graph = GraphedForward(self, tokens, tokens, one_bucket=True, logits=False)
         with self.attached():
             self.prefill_graph.capture()
 
