@@ -17,12 +17,17 @@ Invariant (lossless, per request): a request's output is the target's own, token
 greedy decoding and identically distributed under sampling, and depends only on its prompt, its
 budget, its sampling parameters and its seed, never on what else is in flight or when it arrived:
 rows never attend to each other, the sampling noise of a token is a function of (seed, position)
-alone, and each row is processed with its own parameters by the same operations as alone.
+alone, and each row is processed with its own parameters by the same operations as alone. Bit for
+bit on the CPU; on a GPU a pass's shape can change a row's rounding, so the prompt's keys come
+from passes of one shape (prefill.py), while a model drafter's passes still vary with the rows
+beside: its draft probabilities may differ in the last bits, which moves sampled outputs (each
+still distributed as the target's), never greedy ones.
 
 Cost per step: one target forward over the active rows' drafts (plus the prefill's passes in a
-step that admits requests: replays of one graph under CUDA graphs), the drafters' passes, and one device-to-host copy. While rows with
-different sampling parameters are in flight, also one small host-to-device copy of them per
-pass that samples, and the processing of every row's distribution (greedy rows' included).
+step that admits requests: replays of one graph under CUDA graphs), the drafters' passes, and
+one device-to-host copy. While rows with different sampling parameters are in flight, also one
+small host-to-device copy of them per pass that samples, and the processing of every row's
+distribution (greedy rows' included).
 """
 
 from __future__ import annotations
