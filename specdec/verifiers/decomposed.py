@@ -7,8 +7,9 @@ row write in the same pass (the attention reads a row's keys by position).
 
 The width is chosen per step: the w in 1..max(1 + k_r) that minimises the pass's slots,
 sum_r ceil((1 + k_r) / w) * w, plus ``piece_cost`` slots for each piece (what one more group
-of the pass costs against one more token), the wider on ties. With piece_cost 0 that is w = 1,
-no padding and a piece per token; with a large one, one piece a row, the padded layout.
+of the pass costs against one more token), the wider on ties. With piece_cost 0 that is the
+widest width that leaves no padding (1 at worst: a piece per token); with a large one, one piece
+a row, the padded layout.
 
 Invariant: the verdict equals the padded and padding-free verifiers' (the same slots are
 scored; pad slots sit after a row's chain, where no real query attends, and their cache
