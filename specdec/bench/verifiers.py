@@ -6,9 +6,10 @@ Workloads: "spread", the zoo drafter with every row drafting a length drawn afre
 uniform over 0..SPREAD_MAX (SpreadLengths, seeded); "lookup", prompt lookup at k = SPREAD_MAX
 (each row drafts what its context matches). Per (workload, batch, verifier): tok/s (the median
 of the timed passes), the padding fraction (pad slots over verified slots), the verify phase's
-ms per step, and whether the output is the padded verifier's token for token. The targets of
-issue 35: decomposed padding at most 5% where padded wastes over 30%, at a verify step no slower
-than padding-free's.
+ms per step, and whether the output is the padded verifier's token for token. DecomposedVerifier
+runs at each of PIECE_COSTS. The targets of issue 35, where padded verification wastes over 30%:
+some decomposition's padding at most 5%, and the fastest such one's verify step no slower than
+padding-free's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from ..verifiers import DecomposedVerifier, PaddedVerifier, PaddingFreeVerifier
 from .common import BenchSettings, graph_options, timed_generate, zoo_and_prompts
 
 SPREAD_MAX = 6
-VERIFIERS = {"padded": PaddedVerifier, "padding-free": PaddingFreeVerifier, "decomposed": DecomposedVerifier}
+PIECE_COSTS = (0.0, 0.25, 1.0)  # DecomposedVerifier's: no padding at any width, and two trade-offs
+VERIFIERS = {"padded": PaddedVerifier, "padding-free": PaddingFreeVerifier,
+             **{f"decomposed {cost:g}": (lambda cost=cost: DecomposedVerifier(cost)) for cost in PIECE_COSTS}}
 
 
 class SpreadLengths(Policy):
@@ -67,15 +70,16 @@ def run_verifiers(settings: BenchSettings, log=print, progress=None) -> dict:
                     out, seconds, tau = timed_generate(target, chosen, batch, make_drafter(), SPREAD_MAX, settings, eos,
                                                        graphs, compiled, verifier=verifier_class(),
                                                        policy=make_policy(batch), details=details)
-                    reference = out if reference is None else reference
-                    row.update(tokens_per_s=sum(map(len, out)) / seconds, tau=tau, identical=out == reference,
+                    reference = out if name == "padded" else reference
+                    row.update(tokens_per_s=sum(map(len, out)) / seconds, tau=tau,
+                               identical=None if reference is None else out == reference,
                                padding_fraction=details["padding_fraction"], verify_ms=1000 * details["verify_s_per_step"])
                 except Exception as error:  # noqa: BLE001 - reported in the results, not swallowed
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 rows.append(row)
                 if progress is not None:
                     progress(result)
-                log(f"verifiers {workload:<7} batch {batch:>3} {name:<13}"
+                log(f"verifiers {workload:<7} batch {batch:>3} {name:<16}"
                     + (f" FAILED {row['error']}" if row["error"] else
                        f" {row['tokens_per_s']:9.1f} tok/s, padding {row['padding_fraction']:.1%}, "
                        f"verify {row['verify_ms']:.2f} ms a step, identical {row['identical']}"))
@@ -84,19 +88,24 @@ def run_verifiers(settings: BenchSettings, log=print, progress=None) -> dict:
 
 
 def verifier_targets(rows: list[dict]) -> list[dict]:
-    """Issue 35's, per (workload, batch) where padded verification wastes over 30%: decomposed
-    padding at most 5%, and its verify step no slower than padding-free's."""
+    """Issue 35's, per (workload, batch) where padded verification wastes over 30%: some
+    decomposition's padding at most 5%, and the fastest of those (or of all, if none) verifying a
+    step no slower than padding-free."""
     out = []
-    cells = sorted({(r["workload"], r["batch"]) for r in rows})
-    for workload, batch in cells:
+    for workload, batch in sorted({(r["workload"], r["batch"]) for r in rows}):
         got = {r["verifier"]: r for r in rows if (r["workload"], r["batch"]) == (workload, batch) and not r["error"]}
-        if set(got) != set(VERIFIERS) or not got["padded"]["padding_fraction"] > 0.30:
+        pieces = [r for name, r in got.items() if name.startswith("decomposed")]
+        if not {"padded", "padding-free"} <= set(got) or not pieces or not got["padded"]["padding_fraction"] > 0.30:
             continue
-        pieces, packed = got["decomposed"], got["padding-free"]
-        out.append(dict(target=f"{workload}, batch {batch}: decomposed padding <= 5% (padded wastes "
-                               f"{got['padded']['padding_fraction']:.0%})",
-                        value=round(pieces["padding_fraction"], 3), met=pieces["padding_fraction"] <= 0.05))
-        ratio = pieces["verify_ms"] / packed["verify_ms"]
-        out.append(dict(target=f"{workload}, batch {batch}: decomposed verify step <= padding-free's",
-                        value=round(ratio, 3), met=ratio <= 1.0))
+        least = min(pieces, key=lambda r: r["padding_fraction"])
+        cell = f"{workload}, batch {batch}"
+        out.append(dict(target=f"{cell}: decomposed padding <= 5% (padded wastes {got['padded']['padding_fraction']:.0%})",
+                        value=round(least["padding_fraction"], 3), detail=least["verifier"],
+                        met=least["padding_fraction"] <= 0.05))
+        lean = [r for r in pieces if r["padding_fraction"] <= 0.05] or pieces
+        fastest = min(lean, key=lambda r: r["verify_ms"])
+        packed = got["padding-free"]["verify_ms"]
+        ratio = fastest["verify_ms"] / packed if packed > 0 else float("inf")
+        out.append(dict(target=f"{cell}: decomposed (padding <= 5%) verify step <= padding-free's",
+                        value=round(ratio, 3), detail=fastest["verifier"], met=ratio <= 1.0))
     return out

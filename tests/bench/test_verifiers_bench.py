@@ -19,12 +19,14 @@ def test_a_smoke_run_on_the_tiny_zoo(tiny_zoo_root):
     assert not any(r["error"] for r in result["rows"])
     assert all(r["identical"] for r in result["rows"])  # every layout gives the padded verifier's output
     for workload in ("spread", "lookup"):
-        padded, packed, pieces = (rows[(workload, v)] for v in ("padded", "padding-free", "decomposed"))
+        padded, packed = rows[(workload, "padded")], rows[(workload, "padding-free")]
         assert packed["padding_fraction"] == 0
-        assert 0 <= pieces["padding_fraction"] <= padded["padding_fraction"]
+        assert rows[(workload, "decomposed 0")]["padding_fraction"] == 0  # the widest width with no padding
+        for cost in ("0.25", "1"):  # never more padding than one piece a row
+            assert 0 <= rows[(workload, f"decomposed {cost}")]["padding_fraction"] <= padded["padding_fraction"]
     assert rows[("spread", "padded")]["padding_fraction"] > 0.2  # lengths 0..6 in rows of one width: much padding
     env = {"command": "c", "commit": "x", "time": "t"}
-    assert "| spread | 4 | decomposed |" in markdown({"environment": env, "verifiers": result})
+    assert "| spread | 4 | decomposed 0.25 |" in markdown({"environment": env, "verifiers": result})
 
 
 def test_targets_where_padding_wastes_over_thirty_percent():
@@ -33,13 +35,16 @@ def test_targets_where_padding_wastes_over_thirty_percent():
                     error="")
 
     rows = [row("spread", 16, "padded", 0.45, 3.0), row("spread", 16, "padding-free", 0.0, 2.0),
-            row("spread", 16, "decomposed", 0.04, 2.1),
+            row("spread", 16, "decomposed 0", 0.0, 2.2), row("spread", 16, "decomposed 0.25", 0.04, 2.1),
+            row("spread", 16, "decomposed 1", 0.2, 1.8),  # faster, but with 20% padding: not the one judged
             row("lookup", 16, "padded", 0.2, 3.0), row("lookup", 16, "padding-free", 0.0, 2.0),
-            row("lookup", 16, "decomposed", 0.1, 1.9)]
+            row("lookup", 16, "decomposed 0", 0.0, 1.9)]
     found = {t["target"]: t for t in verifier_targets(rows)}
     assert len(found) == 2  # lookup's padded layout wastes only 20%: no target there
-    assert found["spread, batch 16: decomposed padding <= 5% (padded wastes 45%)"]["met"]
-    assert not found["spread, batch 16: decomposed verify step <= padding-free's"]["met"]  # 2.1 against 2.0
+    padding = found["spread, batch 16: decomposed padding <= 5% (padded wastes 45%)"]
+    assert padding["met"] and padding["detail"] == "decomposed 0"
+    speed = found["spread, batch 16: decomposed (padding <= 5%) verify step <= padding-free's"]
+    assert not speed["met"] and speed["detail"] == "decomposed 0.25" and speed["value"] == 1.05  # 2.1 against 2.0
 
 
 def test_spread_lengths_cover_every_length_and_repeat_with_the_seed():

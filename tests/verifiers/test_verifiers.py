@@ -115,3 +115,27 @@ def test_decomposed_generation_is_the_targets_greedy_output_under_ragged_lengths
                    verifier=DecomposedVerifier(piece_cost), policy=policy, max_new_tokens=14, eos_token_id=[])
     assert out.sequences == [hf_greedy(target, p, 14) for p in prompts]
     assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("piece_cost", [0.0, 0.3, 1.0, 5.0])
+def test_decomposed_scores_every_real_slot_as_padding_free_does(piece_cost):
+    """The logits of every real slot (not only the ones an early rejection reads), with a draft
+    grid wider than the longest chain (as prompt lookup hands over) and rows of no draft."""
+    target = make_model("llama", dtype=torch.float64)
+    prompts = random_prompts(5, 96, seed=7)
+    num_draft = np.array([5, 0, 2, 3, 1])  # chains of 6, 1, 3, 4, 2 in a grid of 9 slots
+    generator = torch.Generator().manual_seed(3)
+    chains = torch.randint(1, 96, (5, 9), generator=generator)
+    batch = BatchState([np.array(p) for p in prompts], 16, np.arange(5), np.zeros(0, dtype=np.int64))
+    rows = np.arange(5)
+    logits = {}
+    for name, verifier in (("packed", PaddingFreeVerifier()), ("pieces", DecomposedVerifier(piece_cost))):
+        runner = ModelRunner(target, max_rows=5, max_len=64)
+        with runner.attached():
+            for row, prompt in enumerate(prompts):
+                if len(prompt) > 1:
+                    runner.forward(torch.tensor(prompt[:-1]), PackedLayout(np.array([row]), np.array([0]),
+                                                                           np.array([len(prompt) - 1])))
+            logits[name], _ = verifier.score(runner, batch, rows, chains, num_draft)
+    for row, k in enumerate(num_draft):
+        torch.testing.assert_close(logits["pieces"][row, : k + 1], logits["packed"][row, : k + 1], rtol=0, atol=1e-12)
