@@ -16,7 +16,7 @@
 #             ~8 min alone), contexts $CONTEXTS (default 1024,4096,16384), batch $BATCH_SIZES (default 1,16,64),
 #             k $KS (default 2,3,4,5,6); more options in $LONG_ARGS
 #   serve     python -m specdec serve-bench on the gpu zoo: request latency against request rate on the Engine,
-#             plain decoding, k = 1/3/5 and GoodputPolicy (options in $SERVE_ARGS, e.g. "--loads 0.1,0.5,0.9")
+#             plain decoding, k = 1/3/5, GoodputPolicy and goodput-model (options in $SERVE_ARGS, e.g. "--loads 0.1,0.9")
 #   policies  python -m benchmarks.policies (from the repository root) --batch-sizes $BATCH_SIZES (default 16)
 #             with $POLICY_ARGS
 #   demo      python -m specdec demo --preset gpu --device cuda
