@@ -368,10 +368,10 @@ class Engine:
         plan_time_s = time.perf_counter() - step_started
         with timer.phase("draft"):
             draft = _propose(self.drafters, batch, plan, self.device, self.vocab_size, timer)
+        rows = batch.active_rows()  # [A] the rows this step serves (commit below finishes some)
         with timer.phase("verify"):
-            sampling = batch.sampling_of(batch.active_rows(), self.device)  # SamplingParams when the rows share one
+            sampling = batch.sampling_of(rows, self.device)  # SamplingParams when the rows share one
             verdict, cost = self.verifier.verify(self.runner, batch, draft, sampling, logprobs=self.return_logprobs)
-        rows = batch.active_rows()
         host = verdict.to_host(self._group)  # the step's one synchronisation (rank 0 decides)
         _raise_on_malformed_trees(host, plan, self.drafters)
         lengths_before = batch.lengths.copy()

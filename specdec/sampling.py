@@ -55,13 +55,18 @@ def process_logits(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
         kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))
     if params.top_p is not None and params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [..., V]
-        sorted_probs = sorted_scores.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
-        drop_sorted = mass_before >= params.top_p  # keeps the smallest set reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = _cut_top_p(scores, params.top_p)
     return scores.softmax(dim=-1)
+
+
+def _cut_top_p(scores: torch.Tensor, top_p) -> torch.Tensor:
+    """scores [..., V] with every token outside the smallest set reaching probability top_p (a
+    number, or a tensor broadcasting against [..., 1]) set to -inf."""
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [..., V]
+    sorted_probs = sorted_scores.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+    drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+    return scores.masked_fill(drop, float("-inf"))
 
 
 def _process_rows(logits: torch.Tensor, params: RowSampling) -> torch.Tensor:
@@ -76,12 +81,7 @@ def _process_rows(logits: torch.Tensor, params: RowSampling) -> torch.Tensor:
         kth_best = sorted_scores.gather(-1, kth.expand(*scores.shape[:-1], 1))  # [R, ..., 1]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))
     if params.cuts_top_p:  # an infinite top_p drops nothing
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [R, ..., V]
-        sorted_probs = sorted_scores.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.per_row(params.top_p, logits)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = _cut_top_p(scores, params.per_row(params.top_p, logits))
     probs = scores.softmax(dim=-1)
     if not params.some_greedy:
         return probs

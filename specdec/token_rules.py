@@ -25,17 +25,13 @@ from .transfer import to_device
 from .types import PAD_ID, RowSampling, SamplingParams
 
 
-def _penalised(scores: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor | None:
+def _penalised(scores: torch.Tensor, params: SamplingParams | RowSampling) -> torch.Tensor:
     """scores [R, ...] float32 with the repetition penalty applied to every entry (negative ones
     multiplied by it, the others divided), per row under a RowSampling (1 on rows without one,
-    which changes no bit); None when no row has a penalty."""
+    which changes no bit). Callers check penalises_repeats first."""
     if isinstance(params, RowSampling):
-        if not params.penalises:
-            return None
         divided = params.divide(scores, params.penalty, params.inv_penalty)
         return torch.where(scores < 0, scores * params.per_row(params.penalty, scores), divided)
-    if params.repetition_penalty in (None, 1.0):
-        return None
     penalty = float(params.repetition_penalty)
     return torch.where(scores < 0, scores * penalty, scores / penalty)
 

@@ -89,9 +89,9 @@ class ModelDrafter(Drafter):
 
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
         with self._current_device():
-            self._start(batch, sampling, max_draft_tokens)
+            self._start(batch, max_draft_tokens)
 
-    def _start(self, batch: BatchState, sampling: SamplingParams, max_draft_tokens: int) -> None:
+    def _start(self, batch: BatchState, max_draft_tokens: int) -> None:
         group = self._graph_group()
         graph_shape = (group, group * batch.num_rows) if self.cuda_graphs else None
         self.runner_role = _free_drafter_role(self.model, self.role_prefix)

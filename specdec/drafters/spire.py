@@ -72,11 +72,11 @@ class SPIReDrafter(ModelDrafter):
     def _graph_group(self) -> int:
         return 1  # one token a row in every pass
 
-    def _start(self, batch: BatchState, sampling, max_draft_tokens: int) -> None:
+    def _start(self, batch: BatchState, max_draft_tokens: int) -> None:
         if self._target is None:
             raise RuntimeError("SPIReDrafter reads the target's activations: pass it to generate(), which hands it "
                                "the target's runner before it starts")
-        super()._start(batch, sampling, max_draft_tokens)
+        super()._start(batch, max_draft_tokens)
         self._target.observers.append(self._project_target)
 
     def finish(self) -> None:
