@@ -260,11 +260,11 @@ def test_a_prompts_cache_is_bitwise_the_same_whatever_is_admitted_beside_it():
     target = make_model("llama", vocab_size=8192, num_layers=12, hidden=512, dtype=torch.bfloat16, device="cuda",
                         max_positions=1024)
     prompts = random_prompts(16, 8192, seed=4, min_len=60, max_len=127)
-    long_ones = random_prompts(15, 8192, seed=5, min_len=300, max_len=400)
+    long_ones = random_prompts(15, 8192, seed=5, min_len=300, max_len=400)  # up to 600 tokens: even ones repeat half
 
     def caches(policy, drafter, admitted):
         """[request][layer] its cache after admission (request i holds row i)."""
-        with Engine(target, drafter, policy=policy, max_rows=16, max_len=512, max_new_tokens=64, **GRAPHS) as engine:
+        with Engine(target, drafter, policy=policy, max_rows=16, max_len=1024, max_new_tokens=64, **GRAPHS) as engine:
             for prompt in admitted:
                 engine.add_request(prompt, max_new_tokens=8)
             eager = engine.runner.eager_passes
