@@ -12,6 +12,7 @@
 from . import drafters, policies, verifiers
 from .engine import Engine, FinishedRequest
 from .generate import GenerateOutput, generate
+from .pipeline import PipelinedEngine
 from .runner import UnsupportedModelError
 from .stats import GenerationStats, RequestStats
 from .types import PAD_ID, SamplingParams
@@ -23,6 +24,7 @@ __all__ = [
     "GenerateOutput",
     "Engine",
     "FinishedRequest",
+    "PipelinedEngine",
     "GenerationStats",
     "RequestStats",
     "SamplingParams",

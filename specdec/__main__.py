@@ -1,7 +1,7 @@
 """Command line.
 
     python -m specdec demo [--preset cpu|gpu] [--device cuda] [--json FILE] [--prompts FILE]
-    python -m specdec bench [--quick] [--parts zoo,bandwidth,trees,verifiers] [--preset gpu] [--out benchmarks/results]
+    python -m specdec bench [--quick] [--parts zoo,bandwidth,trees,verifiers,pipeline] [--preset gpu] [--out benchmarks/results]
     python -m specdec bench --long-context [--contexts 1024,4096,16384] [--batch-sizes 1,16,64] [--ks 2,3,4,5,6]
     python -m specdec serve-bench [--preset gpu] [--loads 0.1,0.5,0.9] [--methods plain,k1,k3,k5,goodput]
     python -m specdec zoo build --preset cpu|gpu|gpu-long|tiny [--out DIR] [--force]
@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--parts", default="zoo,bandwidth",
                        help="zoo (the model zoo against the peers), bandwidth (1B/8B step times), trees (one "
                             "drafter as chains and token trees, greedy and T=0.8), verifiers (padded, padding-free "
-                            "and decomposed verification of ragged draft lengths); comma-separated")
+                            "and decomposed verification of ragged draft lengths), pipeline (drafting beside "
+                            "verification on a side stream and a second GPU, random weights); comma-separated")
     bench.add_argument("--temperatures", default="0,0.8", help="the trees part's temperatures (0: greedy)")
     bench.add_argument("--repeats", type=int, default=3, help="timed passes of each of our methods (the median)")
     bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, markdown and PNG")

@@ -361,30 +361,57 @@ class Engine:
                                     prefill=True)
 
     def _decode(self, stream) -> None:
-        batch, timer = self.batch, self._timer
         step_started = time.perf_counter()
-        plan = _bounded(_checked(self.policy.plan(batch, len(self.drafters)), self.policy, batch, self._trees),
-                        batch, self._trees)
-        plan_time_s = time.perf_counter() - step_started
+        plan, plan_time_s = self._plan()
+        draft = self._draft(plan, self._timer)
+        rows, verdict, cost = self._verify(draft)
+        self._finish(rows, plan, draft, verdict, cost, plan_time_s, step_started, stream)
+
+    # The step's parts, in order (pipeline.py interleaves them over micro-batches).
+    def _plan(self) -> tuple[Plan, float]:
+        """The policy's plan for the active rows, checked and bounded -> (plan, host seconds)."""
+        started = time.perf_counter()
+        plan = _bounded(_checked(self.policy.plan(self.batch, len(self.drafters)), self.policy, self.batch,
+                                 self._trees), self.batch, self._trees)
+        return plan, time.perf_counter() - started
+
+    def _draft(self, plan: Plan, timer: PhaseTimer) -> Draft:
         with timer.phase("draft"):
-            draft = _propose(self.drafters, batch, plan, self.device, self.vocab_size, timer)
-        rows = batch.active_rows()  # [A] the rows this step serves (commit below finishes some)
-        with timer.phase("verify"):
-            sampling = batch.sampling_of(rows, self.device)  # SamplingParams when the rows share one
-            verdict, cost = self.verifier.verify(self.runner, batch, draft, sampling, logprobs=self.return_logprobs)
-        host = verdict.to_host(self._group)  # the step's one synchronisation (rank 0 decides)
+            return _propose(self.drafters, self.batch, plan, self.device, self.vocab_size, timer)
+
+    def _verify(self, draft: Draft):
+        """Launch the verification of every active row's draft -> (rows [A], verdict, cost); the
+        verdict stays on the device until ``_finish``."""
+        rows = self.batch.active_rows()  # [A] the rows this step serves (commit finishes some)
+        with self._timer.phase("verify"):
+            sampling = self.batch.sampling_of(rows, self.device)  # SamplingParams when the rows share one
+            verdict, cost = self.verifier.verify(self.runner, self.batch, draft, sampling, logprobs=self.return_logprobs)
+        return rows, verdict, cost
+
+    def _phase_times(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The step's phase seconds (device clock on a GPU) and host seconds, once synchronised."""
+        return self._timer.collect(), self._timer.host_seconds
+
+    def _finish(self, rows: np.ndarray, plan: Plan, draft: Draft, verdict, cost, plan_time_s: float,
+                step_started: float, stream) -> None:
+        """Copy the verdict to the host (the step's one synchronisation), commit, roll the
+        drafters back, record, let the policy observe, release finished rows, stream."""
+        batch = self.batch
+        host = verdict.to_host(self._group)  # rank 0 decides
         _raise_on_malformed_trees(host, plan, self.drafters)
         lengths_before = batch.lengths.copy()
         appended = batch.commit(host)
+        accepted = np.full(batch.num_rows, -1, dtype=np.int64)  # [B] -1: the row took no part in this step
+        accepted[rows] = host.num_accepted[rows]
         for d in self.drafters:
-            d.commit(lengths_before, host.num_accepted)
+            d.commit(lengths_before, accepted)
         now = self.now()
         self._first_token_s[(appended > 0) & np.isnan(self._first_token_s)] = now
         streamed = []  # (request id, its new tokens), handed to ``stream`` once the step is complete
         if stream is not None:
             streamed = [(self._rows[row].id, batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist())
                         for row in np.flatnonzero(appended)]
-        times = timer.collect()
+        times, host_seconds = self._phase_times()
         record = StepRecord(
             step=self.steps,
             rows=rows,
@@ -396,7 +423,7 @@ class Engine:
             verify_time_s=times.get("verify", 0.0),
             cost=cost,
             drafter_time_s=np.array([times.get(f"drafter {i}", 0.0) for i in range(len(self.drafters))]),
-            drafter_wall_s=np.array([timer.host_seconds.get(f"drafter {i}", 0.0) for i in range(len(self.drafters))]),
+            drafter_wall_s=np.array([host_seconds.get(f"drafter {i}", 0.0) for i in range(len(self.drafters))]),
             step_time_s=time.perf_counter() - step_started,
             plan_time_s=plan_time_s,
             draft_depths=draft.depths if draft.is_tree else None,

@@ -19,6 +19,7 @@ from typing import Callable
 from . import inputs
 from .drafters.base import Drafter
 from .engine import Engine
+from .pipeline import PipelinedEngine
 from .policies.base import Policy
 from .stats import GenerationStats
 from .types import SamplingParams
@@ -54,6 +55,7 @@ def generate(
     stop_sequences: list[list[int]] | None = None,
     stream: Callable[[int, list[int]], None] | None = None,
     return_logprobs: bool = False,
+    pipeline: int = 1,
 ) -> GenerateOutput:
     """Generate from ``target`` for every prompt, speculatively.
 
@@ -68,6 +70,8 @@ def generate(
     (request index, the token ids just committed to it) for each request that got some.
     return_logprobs: also return each generated token's log-probability under the target's
     processed distribution (the log-softmax of the logits when greedy).
+    pipeline: split the rows into this many micro-batches and draft for the next while the
+    target verifies one (SPIN; pipeline.py); 1 (the default) steps every row together.
     seed: an int (request i uses seed + i)
     or one per prompt; a request's output depends only on its own seed, not on its batch.
     attention: "reference" (plain torch, any device), "fast" (Triton, CUDA) or "auto" (fast on
@@ -84,14 +88,14 @@ def generate(
     try:
         return _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampling, eos_token_id, seed,
                          attention, cuda_graphs, compile, attention_mask, min_new_tokens, stop_sequences, stream,
-                         return_logprobs)
+                         return_logprobs, pipeline)
     finally:
         _THIS_THREAD.in_call = False
 
 
 def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampling, eos_token_id, seed, attention,
               cuda_graphs, compile, attention_mask, min_new_tokens, stop_sequences, stream,
-              return_logprobs) -> GenerateOutput:
+              return_logprobs, pipeline) -> GenerateOutput:
     started = time.perf_counter()
     vocab_size, _ = inputs.check_target(target)
     token_prompts = inputs.normalise_prompts(prompts, vocab_size, attention_mask)
@@ -99,11 +103,14 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function of (request index, token ids), got {type(stream).__name__}")
     inputs.check_lengths_fit(target, token_prompts, max_new_tokens)
-    with Engine(target, drafter, verifier, policy, max_rows=len(token_prompts),
-                max_len=max(map(len, token_prompts)) + max_new_tokens, sampling=sampling,
-                eos_token_id=eos_token_id, attention=attention, cuda_graphs=cuda_graphs, compile=compile,
-                min_new_tokens=min_new_tokens, stop_sequences=stop_sequences, return_logprobs=return_logprobs,
-                max_new_tokens=max_new_tokens) as engine:
+    if not (isinstance(pipeline, int) and not isinstance(pipeline, bool) and pipeline >= 1):
+        raise ValueError(f"pipeline must be an int >= 1 (micro-batches; 1: no pipelining), got {pipeline!r}")
+    engine_class, options = (Engine, {}) if pipeline == 1 else (PipelinedEngine, {"micro_batches": pipeline})
+    with engine_class(target, drafter, verifier, policy, max_rows=len(token_prompts),
+                      max_len=max(map(len, token_prompts)) + max_new_tokens, sampling=sampling,
+                      eos_token_id=eos_token_id, attention=attention, cuda_graphs=cuda_graphs, compile=compile,
+                      min_new_tokens=min_new_tokens, stop_sequences=stop_sequences, return_logprobs=return_logprobs,
+                      max_new_tokens=max_new_tokens, **options) as engine:
         engine.restart_clock(started)  # request times count from the start of this call
         seeds = inputs.normalise_seeds(seed, len(token_prompts))
         for prompt, row_seed in zip(token_prompts, seeds.tolist()):

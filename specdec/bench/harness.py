@@ -49,9 +49,10 @@ def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
     """Every part the settings name, in one process; one result dictionary. ``checkpoint`` (if
     given) receives the partial result after every measurement, so a run cut short keeps them."""
     save = checkpoint or (lambda partial: None)
-    unknown = set(settings.parts) - {"zoo", "bandwidth", "trees", "verifiers"}
+    unknown = set(settings.parts) - {"zoo", "bandwidth", "trees", "verifiers", "pipeline"}
     if unknown:
-        raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth, trees, verifiers")
+        raise ValueError(f"unknown benchmark parts {sorted(unknown)}; choose from zoo, bandwidth, trees, verifiers, "
+                         "pipeline")
     result = {"environment": environment(settings.device), "settings": asdict(settings), "rows": []}
     if "zoo" in settings.parts:
         result.update(run_zoo(settings, log, lambda zoo_part: save({**result, **zoo_part})))
@@ -72,6 +73,15 @@ def run(settings: BenchSettings, log=print, checkpoint=None) -> dict:
             save(result)
         else:
             log("bandwidth part skipped: it measures CUDA step times")
+    if "pipeline" in settings.parts:
+        if settings.device.startswith("cuda"):
+            from . import pipeline
+
+            result["pipeline"] = pipeline.run(tuple(b for b in settings.batch_sizes if b > 1), repeats=settings.repeats,
+                                              log=log)
+            save(result)
+        else:
+            log("pipeline part skipped: it measures CUDA streams and devices")
     return result
 
 

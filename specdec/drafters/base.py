@@ -68,7 +68,9 @@ class Drafter(ABC):
 
     def commit(self, lengths_before: np.ndarray, num_accepted: np.ndarray) -> None:
         """The step that began at committed lengths ``lengths_before`` accepted ``num_accepted``
-        draft tokens per row ([B] each)."""
+        draft tokens per row ([B] each). A row with ``num_accepted`` -1 took no part in the step
+        (finished, free, or in another micro-batch of a pipelined engine, whose draft may still
+        await verification): its state must stay as it is."""
 
     def models(self) -> list[torch.nn.Module]:
         """The torch models this drafter runs (generate() serialises calls that share one)."""

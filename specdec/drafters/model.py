@@ -346,5 +346,5 @@ class ModelDrafter(Drafter):
     def commit(self, lengths_before: np.ndarray, num_accepted: np.ndarray) -> None:
         # Cached drafts beyond the accepted ones were computed from rejected tokens.
         cache = self._runner.cache
-        rows = np.arange(len(lengths_before))
-        cache.rollback(rows, np.minimum(cache.lengths[rows], lengths_before + num_accepted))
+        rows = np.flatnonzero(num_accepted >= 0)  # [R] the rows the step verified
+        cache.rollback(rows, np.minimum(cache.lengths[rows], lengths_before[rows] + num_accepted[rows]))

@@ -1,0 +1,112 @@
+"""``python -m specdec bench --parts pipeline``: SPIN's pipelined speculation (specdec/pipeline.py,
+ALGORITHMS.md §9; issue 35) against drafting and verifying in sequence, CUDA only.
+
+Random-weight Llama shapes, bf16, CUDA graphs, greedy: a 1B target ("llama-1B") and a drafter
+of 4 layers of width 1024 over the same 128K vocabulary, so that drafting k = 4 tokens and
+verifying them cost the same order of time. With random weights few drafts are accepted, which
+does not matter here: the bench measures how long steps take, not how many tokens they emit.
+Placements: the drafter on the target's GPU (the pipeline's drafts on a side stream) and, where
+two GPUs are seen, on the second one.
+
+Per (placement, batch, pipeline 1 or 2): the decode time (wall less prefill) per cycle, a cycle
+being one verification of every row (one step unpipelined, two micro-batch steps pipelined), and
+the unpipelined run's draft and verify phases per step (device time, CUDA events). The target
+(issue 35): with the drafter on a second GPU, the pipelined cycle at most 1.15x max(draft,
+verify) at batch 16 and 64. Outputs are compared with the unpipelined run's (bf16: a pass of
+half the rows may round a near-tie the other way, so agreement is reported beside identity).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .. import generate
+from ..drafters import ModelDrafter
+from ..policies import FixedPolicy
+from .bandwidth import SHAPES
+from .common import agreement, synchronise
+
+DRAFTER_SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
+                     num_key_value_heads=4, vocab_size=SHAPES["llama-1B"]["vocab_size"])
+TARGET_RATIO = 1.15  # issue 35: pipelined cycle <= 1.15x max(draft, verify), drafter on a second GPU
+
+
+def random_model(shape: dict, device: str, seed: int, dtype=torch.bfloat16):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=None, **shape)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def measure(target, drafter_model, prompts, pipeline: int, k: int, new_tokens: int, repeats: int) -> dict:
+    device = str(target.device)
+    """Median over ``repeats`` timed calls (after one warm-up) of one configuration."""
+    runs = []
+    for attempt in range(repeats + 1):
+        drafter = ModelDrafter(drafter_model, cuda_graphs="auto")
+        synchronise(device)
+        started = time.perf_counter()
+        out = generate(target, prompts, drafter=drafter, policy=FixedPolicy(k), max_new_tokens=new_tokens,
+                       eos_token_id=[], cuda_graphs="auto", pipeline=pipeline)
+        synchronise(device)
+        wall = time.perf_counter() - started
+        if attempt:  # the first call warms up (runners, graphs)
+            stats = out.stats
+            cycles = stats.steps / pipeline
+            runs.append(dict(cycle_ms=1000 * (wall - stats.prefill_time_s) / cycles,
+                             draft_ms=1000 * stats.draft_time_s / stats.steps,
+                             verify_ms=1000 * stats.verify_time_s / stats.steps, steps=stats.steps,
+                             tau=stats.tau, sequences=out.sequences))
+    middle = sorted(runs, key=lambda r: r["cycle_ms"])[len(runs) // 2]
+    return middle
+
+
+def run(batch_sizes=(16, 64), k: int = 4, new_tokens: int = 64, prompt_tokens: int = 128, repeats: int = 3,
+        log=print, device: str = "cuda", shapes: tuple[dict, dict] | None = None) -> dict:
+    """shapes: (target, drafter) Llama config fields, for a smoke run on the CPU (device "cpu");
+    None: llama-1B and DRAFTER_SHAPE."""
+    target_shape, drafter_shape = shapes or (SHAPES["llama-1B"], DRAFTER_SHAPE)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    target = random_model(target_shape, "cuda:0" if device.startswith("cuda") else device, seed=0, dtype=dtype)
+    placements = {"one GPU": "cuda:0"} if device.startswith("cuda") else {"one device": device}
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        placements["second GPU"] = "cuda:1"
+    rng = np.random.default_rng(0)
+    rows, targets = [], []
+    for placement, place in placements.items():
+        drafter_model = random_model(drafter_shape, place, seed=1, dtype=dtype)
+        for batch in batch_sizes:
+            prompts = rng.integers(0, target_shape["vocab_size"], size=(batch, prompt_tokens)).tolist()
+            sequential = measure(target, drafter_model, prompts, 1, k, new_tokens, repeats)
+            pipelined = measure(target, drafter_model, prompts, 2, k, new_tokens, repeats)
+            ideal = max(sequential["draft_ms"], sequential["verify_ms"])
+            for pipeline, result in ((1, sequential), (2, pipelined)):
+                row = dict(placement=placement, batch=batch, pipeline=pipeline,
+                           **{key: value for key, value in result.items() if key != "sequences"},
+                           over_ideal=result["cycle_ms"] / ideal,
+                           identical=result["sequences"] == sequential["sequences"],
+                           agreement=agreement(result["sequences"], sequential["sequences"]))
+                rows.append(row)
+                log(f"pipeline {placement:<10} batch {batch:>3} x{pipeline}: cycle {row['cycle_ms']:.2f} ms "
+                    f"(draft {sequential['draft_ms']:.2f} / verify {sequential['verify_ms']:.2f} ms in sequence: "
+                    f"{row['over_ideal']:.2f}x their max), identical {row['identical']}, agreement {row['agreement']:.3f}")
+            if placement == "second GPU":
+                ratio = pipelined["cycle_ms"] / ideal
+                targets.append(dict(target=f"batch {batch}: pipelined cycle <= {TARGET_RATIO}x max(draft, verify), "
+                                    "drafter on a second GPU", value=round(ratio, 3), met=bool(ratio <= TARGET_RATIO)))
+        del drafter_model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if "second GPU" not in placements:
+        targets.append(dict(target="pipelining with the drafter on a second GPU", value="not measured", met=False,
+                            detail="one GPU seen: run on a machine with two"))
+    return dict(settings=dict(target=target_shape, drafter=drafter_shape, k=k, new_tokens=new_tokens,
+                              prompt_tokens=prompt_tokens, repeats=repeats, batch_sizes=list(batch_sizes)),
+                rows=rows, targets=targets)

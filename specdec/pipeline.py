@@ -1,0 +1,175 @@
+"""PipelinedEngine: speculation pipelined with verification over micro-batches (SPIN, Chen et
+al. 2025, ALGORITHMS.md §9).
+
+The rows in flight are split into ``micro_batches`` groups. Each ``step()`` (a half-step of
+SPIN's pipeline when there are two groups) verifies the group whose draft is ready while the
+drafters draft for the next group, then commits the verified group:
+
+    step t:   verify group t % N (drafted in step t - 1)  ||  plan + propose group (t + 1) % N
+
+On a GPU the drafting runs on a side CUDA stream (or on the drafters' own GPU when they sit on
+another device), so the device verifies one group while the host plans and launches the other
+group's drafts; on the CPU the two run one after the other. A request joins the group drafted
+in the step that admits it, and each group holds at most ceil(max_rows / N) rows, so the groups
+stay balanced as requests come and go.
+
+Invariant (lossless): each row goes through the same plan -> propose -> verify -> commit cycle,
+on the same passes of its own data, as in the Engine; only which rows share a pass changes, and
+rows never attend to each other. Greedy output is the target's token for token, and on the CPU
+sampled output too is the unpipelined engine's token for token, under a policy whose lengths do
+not depend on the rows beside (the seeded noise of a draw is a function of seed and position). Drafters that read the target's runner (self-speculation,
+SPIRe) are refused: their passes would share the target's buffers with the verification that
+runs beside them.
+
+Cost: a row is verified every N steps, each step's verify pass holds about 1/N of the rows;
+ideally a full cycle (every row drafted and verified once) takes max(draft, verify) of the
+whole batch instead of their sum. Steps that find a group without a draft (the first one,
+after admissions into an empty group) draft it first, without overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .engine import Engine
+from .timing import PhaseTimer
+from .types import Draft, Plan
+
+
+@dataclass
+class _Pending:
+    """A group's draft awaiting verification, with what its step record needs."""
+
+    plan: Plan
+    draft: Draft
+    plan_time_s: float
+    timer: PhaseTimer  # the draft phase's timing (events on the drafting stream)
+    done: list = field(default_factory=list)  # CUDA events on the drafters' other devices
+
+
+class PipelinedEngine(Engine):
+    """An Engine whose steps pipeline drafting with verification over ``micro_batches`` groups of
+    rows (see the module docstring); every other argument is the Engine's."""
+
+    def __init__(self, *args, micro_batches: int = 2, **kwargs):
+        if not (isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 2):
+            raise ValueError(f"micro_batches must be an int >= 2 (1 is the plain Engine), got {micro_batches!r}")
+        super().__init__(*args, **kwargs)
+        try:
+            reading = [d.describe() for d in self.drafters if d.reads_target]
+            if reading:
+                raise ValueError(f"pipelining drafts beside the target's verification, but {', '.join(reading)} "
+                                 "drafts from the target's own runner: use a ModelDrafter or prompt lookup, or "
+                                 "pipeline=1")
+            if self.tensor_parallel:
+                raise ValueError("pipelining a tensor-parallel target is not supported: use pipeline=1")
+        except BaseException:
+            self.close()
+            raise
+        self.micro_batches = micro_batches
+        self._capacity = math.ceil(self.batch.num_rows / micro_batches)  # rows per group at most
+        self._group_of = np.full(self.batch.num_rows, -1, dtype=np.int64)  # [B] each running row's group
+        self._pending: list[_Pending | None] = [None] * micro_batches
+        self._turn = 0  # steps begun
+        self._pending_timer = PhaseTimer(self.device)  # the draft timing of the group being verified
+        cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if cuda else None  # where drafts are launched
+        self._other_devices = sorted({d.device() for d in self.drafters if d.device() is not None
+                                      and d.device().type == "cuda" and d.device() != self.device}, key=str)
+
+    # ---- groups ----------------------------------------------------------------------------
+    def _drafting_group(self) -> int:
+        return (self._turn + 1) % self.micro_batches
+
+    def _members(self, group: int) -> np.ndarray:
+        """[R] the running, unfinished rows of ``group``."""
+        return np.flatnonzero((self._group_of == group) & ~self.batch.finished)
+
+    def _admit(self) -> np.ndarray:
+        """Admit into the group drafted this step, up to its share of the rows."""
+        group = self._drafting_group()
+        held = sum(request is not None for request, g in zip(self._rows, self._group_of) if g == group)
+        room = self._capacity - held
+        if room <= 0 or not self._waiting:
+            return np.zeros(0, dtype=np.int64)
+        overflow = []
+        while len(self._waiting) > room:  # the rest wait for their group's turn
+            overflow.append(self._waiting.pop())
+        try:
+            rows = super()._admit()
+        finally:
+            self._waiting.extend(reversed(overflow))
+        self._group_of[rows] = group
+        return rows
+
+    @contextlib.contextmanager
+    def _only(self, group: int):
+        """The batch as seen by one group's step: every other running row counts as finished, so
+        the policy, drafters and verifier serve the group's rows alone."""
+        hidden = np.flatnonzero(~self.batch.finished & (self._group_of != group))  # [H]
+        self.batch.finished[hidden] = True
+        try:
+            yield
+        finally:  # a row released meanwhile (a stream callback cancelled it) stays finished
+            self.batch.finished[hidden] = [self._rows[row] is None for row in hidden]
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _propose_group(self, group: int, ready) -> _Pending:
+        """Plan and propose for ``group``; on a GPU on the side stream, after ``ready`` (an event
+        on the main stream), so that every proposal runs on one stream, in order."""
+        timer = PhaseTimer(self.device)
+        with self._only(group), self._drafting_stream(ready):
+            plan, plan_time_s = self._plan()
+            draft = self._draft(plan, timer)
+        done = []
+        for device in self._other_devices:  # the drafts' copies to this device are queued there
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            done.append(event)
+        return _Pending(plan, draft, plan_time_s, timer, done)
+
+    def _drafting_stream(self, ready):
+        if self._side is None:
+            return contextlib.nullcontext()
+        self._side.wait_event(ready)
+        return torch.cuda.stream(self._side)
+
+    def _decode(self, stream) -> None:
+        step_started = time.perf_counter()
+        verified, drafted = self._turn % self.micro_batches, self._drafting_group()
+        self._turn += 1
+        main = torch.cuda.current_stream(self.device) if self._side is not None else None
+        ready = main.record_event() if main is not None else None  # after the admissions' prefill
+        if not self._members(verified).size:  # its rows were cancelled: nothing to verify
+            self._pending[verified] = None
+        elif self._pending[verified] is None:  # no draft yet (the first step): draft it now, no overlap
+            self._pending[verified] = self._propose_group(verified, ready)
+        pending, self._pending[verified] = self._pending[verified], None
+        if pending is not None:
+            if main is not None:
+                main.wait_stream(self._side)
+                for event in pending.done:
+                    main.wait_event(event)
+            self._pending_timer = pending.timer
+            with self._only(verified):
+                rows, verdict, cost = self._verify(pending.draft)
+        if self._members(drafted).size:  # while the device verifies, the host drafts the next group
+            self._pending[drafted] = self._propose_group(drafted, ready)
+        if pending is not None:
+            with self._only(verified):
+                self._finish(rows, pending.plan, pending.draft, verdict, cost, pending.plan_time_s, step_started,
+                             stream)
+
+    def _phase_times(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The verify phase from this step, the draft phases from the step that drafted the group
+        (complete: the verification waited for them)."""
+        times, host_seconds = super()._phase_times()
+        times.update(self._pending_timer.collect())
+        host_seconds = {**host_seconds, **self._pending_timer.host_seconds}
+        return times, host_seconds

@@ -1,0 +1,212 @@
+"""PipelinedEngine (SPIN's pipelined speculation): the rows are split into micro-batches and the
+drafters draft for one while the target verifies another. Outputs equal the unpipelined
+engine's (greedy: the target's own; sampled: the same tokens on the CPU), each verify pass holds one
+micro-batch, and the next micro-batch is drafted between a verification's launch and its
+commit. CPU, float64 (greedy) and float32 (sampled); the CUDA tests run the streams."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import PipelinedEngine, SamplingParams, generate
+from specdec.drafters import ModelDrafter, PromptLookupDrafter, SelfSpeculativeDrafter
+from specdec.drafters.tree import TreeSpec
+from specdec.policies import BanditPolicy, FixedPolicy
+from specdec.verifiers import DecomposedVerifier, PaddingFreeVerifier, TreeVerifier
+from tests.test_engine import run_schedule
+from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model("llama", vocab_size=VOCAB, seed=3, dtype=torch.float64)
+
+
+def components(kind, target):
+    """-> (drafter(s), verifier, policy) of a kind of run."""
+    small = lambda: ModelDrafter(perturbed_copy(target, 0.1))  # noqa: E731
+    return {"model": lambda: (small(), None, FixedPolicy(3)),
+            "lookup": lambda: (PromptLookupDrafter(), None, FixedPolicy(4)),
+            "bandit": lambda: ([small(), PromptLookupDrafter()], None, BanditPolicy(num_draft_tokens=3)),
+            "tree": lambda: (ModelDrafter(perturbed_copy(target, 0.1), tree=TreeSpec(depth=3, branching=2)),
+                             TreeVerifier(), FixedPolicy(5)),
+            "decomposed": lambda: (small(), DecomposedVerifier(0.0), FixedPolicy(4))}[kind]()
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "bandit", "tree", "decomposed"])
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_pipelined_greedy_output_is_the_targets(target, kind, micro_batches):
+    prompts = random_prompts(7, VOCAB, seed=20 + micro_batches, min_len=2, max_len=16)
+    drafter, verifier, policy = components(kind, target)
+    out = generate(target, prompts, drafter=drafter, verifier=verifier, policy=policy, max_new_tokens=14,
+                   eos_token_id=[5], pipeline=micro_batches)
+    assert out.sequences == [hf_greedy(target, p, 14, eos_token_id=5) for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["model", "tree"])
+def test_pipelined_sampling_draws_the_unpipelined_engines_tokens(kind):
+    """A fixed length: each row's drafts, its draft distributions and the target's draws are
+    computed by the same operations on the same data as without pipelining."""
+    target = make_model("llama", vocab_size=VOCAB, seed=4, dtype=torch.float32)
+    prompts = random_prompts(6, VOCAB, seed=8, min_len=2, max_len=12)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95)
+    outputs = []
+    for pipeline in (1, 2):
+        drafter, verifier, policy = components(kind, target)
+        outputs.append(generate(target, prompts, drafter=drafter, verifier=verifier, policy=policy, max_new_tokens=16,
+                                sampling=sampling, seed=11, eos_token_id=[], pipeline=pipeline, return_logprobs=True))
+    assert outputs[0].sequences == outputs[1].sequences
+    # log-probabilities to float32 rounding: a pass of other rows rounds a row's logits otherwise
+    # in the last bit on the CPU too (plain decoding of 3 rows against 6 does)
+    for ours, theirs in zip(outputs[0].logprobs, outputs[1].logprobs):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+    # the requests did sample: a flat random model's draws differ from its greedy choices
+    assert any(seq != hf_greedy(target, p, 16) for seq, p in zip(outputs[0].sequences, prompts))
+
+
+class LoggingLookup(PromptLookupDrafter):
+    """Prompt lookup that logs its commits (the rows each verified) into a shared list."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def commit(self, lengths_before, num_accepted):
+        self.log.append(("commit", frozenset(np.flatnonzero(num_accepted >= 0).tolist())))
+
+
+class LoggingPolicy(FixedPolicy):
+    def __init__(self, k, log):
+        super().__init__(k)
+        self.log = log
+
+    def plan(self, batch, num_drafters):
+        self.log.append(("plan", frozenset(batch.active_rows().tolist())))
+        return super().plan(batch, num_drafters)
+
+
+class LoggingVerifier(PaddingFreeVerifier):
+    def __init__(self, log):
+        self.log = log
+
+    def verify(self, runner, batch, draft, sampling, logprobs=False):
+        self.log.append(("verify", frozenset(batch.active_rows().tolist())))
+        return super().verify(runner, batch, draft, sampling, logprobs=logprobs)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_each_pass_holds_one_micro_batch_and_the_next_is_drafted_during_its_verification(target, micro_batches):
+    rows = 7
+    prompts = [p * 3 for p in random_prompts(rows, VOCAB, seed=5, min_len=3, max_len=6)]  # lookup finds matches
+    log = []
+    out = generate(target, prompts, drafter=LoggingLookup(log), verifier=LoggingVerifier(log),
+                   policy=LoggingPolicy(3, log), max_new_tokens=12, eos_token_id=[], pipeline=micro_batches)
+    assert out.sequences == [hf_greedy(target, p, 12) for p in prompts]
+    verifies = [i for i, (what, _) in enumerate(log) if what == "verify"]
+    assert len(verifies) >= 2 * micro_batches
+    overlapped = 0
+    for i in verifies:
+        verified = log[i][1]
+        assert 0 < len(verified) <= math.ceil(rows / micro_batches)
+        # the draft it checks was planned for exactly these rows, in the step before
+        assert next(r for what, r in reversed(log[:i]) if what == "plan" and r & verified) == verified
+        commit = next(j for j in range(i + 1, len(log)) if log[j][0] == "commit")
+        assert log[commit][1] == verified
+        between = [r for what, r in log[i + 1:commit] if what == "plan"]  # drafted while it was verified
+        assert len(between) <= 1 and not any(r & verified for r in between)
+        overlapped += len(between)
+    # every step overlaps but the first and those after a micro-batch has emptied
+    assert overlapped >= len(verifies) - 2 * micro_batches
+    assert set().union(*(log[i][1] for i in verifies)) == set(range(rows))
+
+
+@pytest.mark.parametrize("schedule_seed", [0, 1, 2])
+def test_pipelined_engine_serves_arrivals_and_cancellations_exactly(target, schedule_seed):
+    """Requests arrive while others run, some are cancelled mid-flight (by a stream callback, in
+    another micro-batch than the one just committed, too); every other request gets the
+    target's greedy output, a cancelled one a prefix of it."""
+    rng = np.random.default_rng(schedule_seed)
+    prompts = random_prompts(10, VOCAB, seed=30 + schedule_seed, max_len=14)
+    budgets = rng.integers(1, 13, size=len(prompts)).tolist()
+    arrivals = np.sort(rng.integers(0, 14, size=len(prompts))).tolist()
+    to_cancel = set(rng.choice(len(prompts), size=2, replace=False).tolist())
+    with PipelinedEngine(target, ModelDrafter(perturbed_copy(target, 0.1)), policy=FixedPolicy(3), max_rows=4,
+                         max_len=40, eos_token_id=[], micro_batches=2) as engine:
+        ids, finished, step = [None] * len(prompts), {}, 0
+
+        def cancel_some(request_id, tokens):
+            for i in list(to_cancel):
+                if ids[i] is not None and ids[i] != request_id:
+                    engine.cancel(ids[i])
+                    to_cancel.discard(i)
+                    return
+
+        while step <= max(arrivals) or engine.has_work():
+            for i in np.flatnonzero(np.asarray(arrivals) == step):
+                ids[i] = engine.add_request(prompts[i], max_new_tokens=budgets[i])
+            finished.update((done.id, done) for done in engine.step(cancel_some if step % 3 == 2 else None))
+            step += 1
+        assert engine.num_running == 0 and not engine.num_waiting
+    cancelled = 0
+    for i, prompt in enumerate(prompts):
+        done = finished[ids[i]]
+        expected = hf_greedy(target, prompt, budgets[i])
+        if done.reason == "cancelled":
+            cancelled += 1
+            assert done.token_ids == expected[: len(done.token_ids)]
+        else:
+            assert done.token_ids == expected, f"request {i}"
+    assert cancelled >= 1
+
+
+def test_schedule_reuse_in_a_long_run_frees_every_row(target):
+    prompts = random_prompts(24, VOCAB, seed=9, max_len=10)
+    with PipelinedEngine(target, PromptLookupDrafter(), policy=FixedPolicy(3), max_rows=5, max_len=30,
+                         eos_token_id=[], micro_batches=2) as engine:
+        finished, ids = run_schedule(engine, [(p, 6, 0) for p in prompts], [i // 3 for i in range(len(prompts))])
+        assert engine.num_running == 0 and engine.batch.finished.all()
+    assert [finished[i].token_ids for i in ids] == [hf_greedy(target, p, 6) for p in prompts]
+
+
+def test_bad_pipelines_are_refused_clearly(target):
+    with pytest.raises(ValueError, match="pipeline must be an int >= 1"):
+        generate(target, [[1, 2]], pipeline=0)
+    with pytest.raises(ValueError, match="pipeline must be an int >= 1"):
+        generate(target, [[1, 2]], pipeline=True)
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 2"):
+        PipelinedEngine(target, micro_batches=1)
+    with pytest.raises(ValueError, match="drafts from the target's own runner"):
+        generate(target, [[1, 2, 3]], drafter=SelfSpeculativeDrafter(sink=1, window=3), pipeline=2)
+    # the refused engine released the target: a plain call runs
+    assert generate(target, [[1, 2, 3]], max_new_tokens=3, eos_token_id=[]).sequences == [hf_greedy(target, [1, 2, 3], 3)]
+
+
+# ---- CUDA: the drafting stream, and drafters on a second GPU ------------------------------------
+def _pipelined_against_plain(target, make_drafter, dtype_note):
+    prompts = random_prompts(16, target.config.vocab_size, seed=40, min_len=8, max_len=40)
+    outputs = {}
+    for pipeline in (1, 2):
+        outputs[pipeline] = generate(target, prompts, drafter=make_drafter(), policy=FixedPolicy(4), max_new_tokens=24,
+                                     eos_token_id=[], attention="fast", cuda_graphs=True, pipeline=pipeline).sequences
+    assert outputs[1] == outputs[2], dtype_note
+
+
+@pytest.mark.cuda
+def test_pipelined_on_one_gpu_with_graphs_equals_the_plain_engine():
+    """float32, the drafting on a side stream while the target's graphs verify."""
+    target = make_model("llama", vocab_size=512, num_layers=4, hidden=128, dtype=torch.float32, device="cuda")
+    _pipelined_against_plain(target, lambda: ModelDrafter(perturbed_copy(target, 0.05), cuda_graphs=True),
+                             "float32 on one GPU")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (run `pytest -m cuda` on a machine "
+                    "with two)")
+def test_pipelined_with_the_drafter_on_a_second_gpu_equals_the_plain_engine():
+    target = make_model("llama", vocab_size=512, num_layers=4, hidden=128, dtype=torch.float32, device="cuda:0")
+    _pipelined_against_plain(target, lambda: ModelDrafter(perturbed_copy(target, 0.05).to("cuda:1"), cuda_graphs=True),
+                             "float32, drafter on cuda:1")
