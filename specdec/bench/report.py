@@ -30,13 +30,13 @@ def _pipeline_table(result: dict) -> str:
     part = result.get("pipeline")
     if not part:
         return ""
-    lines = [f"{provenance(result['environment'])} Random-weight llama-1B target and a 4-layer drafter, bf16, CUDA "
-             f"graphs, greedy, k = {part['settings']['k']}; a cycle verifies every row once; draft and verify: the "
-             "unpipelined run's phases per step (device time).", "",
-             "| drafter on | batch | pipeline | cycle ms | draft ms | verify ms | cycle / max(draft, verify) | identical "
-             "| agreement |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"{provenance(result['environment'])} Random-weight Llama shapes, bf16, CUDA graphs, greedy, k = "
+             f"{part['settings']['k']}; a cycle verifies every row once; draft and verify: the unpipelined run's "
+             "phases per step (device time).", "",
+             "| models | drafter on | batch | pipeline | cycle ms | draft ms | verify ms | cycle / max(draft, verify) "
+             "| identical | agreement |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in part["rows"]:
-        lines.append(f"| {row['placement']} | {row['batch']} | {row['pipeline']} | {row['cycle_ms']:.2f} | "
+        lines.append(f"| {row['models']} | {row['placement']} | {row['batch']} | {row['pipeline']} | {row['cycle_ms']:.2f} | "
                      f"{row['draft_ms']:.2f} | {row['verify_ms']:.2f} | {row['over_ideal']:.2f} | "
                      f"{'yes' if row['identical'] else 'no'} | {row['agreement']:.3f} |")
     return "\n".join(lines + ["", *target_lines(part.get("targets", []))]) + "\n"
