@@ -3,12 +3,16 @@ random-weight Llama shapes sharded over the GPUs of one host by transformers' ow
 plan (``tp_plan="auto"``), against the bandwidth floor of the sharded step, and the scaling of one
 shape from one GPU to several.
 
-On a machine with two GPUs, from the repository root (about 3-5 minutes with model creation; it
-writes tensor_parallel.json and tensor_parallel.md into --out, after every phase, so a run cut
-short still leaves what it measured):
+On a machine with two GPUs, from the repository root (an estimate, not yet timed: 2-3 minutes
+with model creation when the sharded target runs in CUDA graphs, up to about 5 when it falls back
+to eager mode; rank 0 writes tensor_parallel.json and tensor_parallel.md into --out after each
+phase and each sharded batch size, so a run cut short still leaves what it measured; --no-graphs
+runs eagerly throughout):
 
-    SPECDEC_COMMIT=$(git rev-parse HEAD) torchrun --standalone --nproc_per_node 2 \\
+    SPECDEC_COMMIT=<commit> torchrun --standalone --nproc_per_node 2 \\
         benchmarks/tensor_parallel_bench.py --device cuda --out benchmarks/results/tp_h200
+
+(SPECDEC_COMMIT names the commit where the tree travels without its .git.)
 
 and on the CPU, as a smoke run on tiny shapes over gloo (what tests/bench/test_tensor_parallel_bench.py runs):
 
@@ -567,7 +571,10 @@ def parse(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
     settings = Settings(preset=args.preset, device=args.device, batch_sizes=tuple(args.batch_sizes), k=args.k,
                         new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, repeats=args.repeats,
                         graphs=not args.no_graphs)
-    settings.check()
+    try:
+        settings.check()
+    except ValueError as error:
+        parser.error(str(error))
     return settings, args
 
 
