@@ -25,6 +25,10 @@ SHAPES = {
                      num_key_value_heads=8, vocab_size=128256),
     "llama-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256),
+    # LLaMA-1 30B as published (32,528,943,616 parameters, 65 GB in bf16): multi-head attention (52 KV heads of
+    # 128) and the 32000-token vocabulary; the tensor-parallel bench (benchmarks/tensor_parallel_bench.py) shards it
+    "llama-30B": dict(hidden_size=6656, intermediate_size=17920, num_hidden_layers=60, num_attention_heads=52,
+                      num_key_value_heads=52, vocab_size=32000),
 }
 MODES = {  # name -> generate() options
     "specdec eager (fast attention)": {"attention": "fast"},
