@@ -91,4 +91,5 @@ def test_spin_notebook_runs(tmp_path, monkeypatch):
     assert "2 x micro max" in text and "8B target, 1B drafter" in text
     for name in ("decomposed", "pipelined", "both"):
         assert f"{name:<11} identical to plain decoding: True" in text
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2
+    assert "llama-30B on 2 GPUs, batch 1, speculative" in text and "of the 2-GPU bandwidth floor" in text
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
