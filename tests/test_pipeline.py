@@ -210,3 +210,40 @@ def test_pipelined_with_the_drafter_on_a_second_gpu_equals_the_plain_engine():
     target = make_model("llama", vocab_size=512, num_layers=4, hidden=128, dtype=torch.float32, device="cuda:0")
     _pipelined_against_plain(target, lambda: ModelDrafter(perturbed_copy(target, 0.05).to("cuda:1"), cuda_graphs=True),
                              "float32, drafter on cuda:1")
+
+
+# ---- review: stats, admission, per-request sampling, policies under pipelining --------------------
+def _own_stats(stats):
+    return (stats.steps, stats.drafted, stats.accepted, stats.emitted, stats.drafted_by_position,
+            stats.accepted_by_position)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+@pytest.mark.parametrize("budget", [1, 3])
+def test_generate_reports_each_requests_own_stats(target, micro_batches, budget):
+    """generate() says request i holds row i, and its stats are read by row: a pipelined run must
+    not hand a row freed early to a later request (with 3 micro-batches the third group's
+    requests used to be admitted after the first group's had finished, into their rows). Each
+    request's counts are the unpipelined run's (a fixed draft length over greedy rows: every
+    count is the request's own)."""
+    prompts = random_prompts(6, VOCAB, seed=5, min_len=3, max_len=10)
+    outs = {}
+    for pipeline in (1, micro_batches):
+        outs[pipeline] = generate(target, prompts, drafter=ModelDrafter(perturbed_copy(target, 0.1)),
+                                  policy=FixedPolicy(3), max_new_tokens=budget, eos_token_id=[], pipeline=pipeline)
+    plain, piped = outs[1], outs[micro_batches]
+    assert piped.sequences == plain.sequences
+    assert [_own_stats(r) for r in piped.stats.requests] == [_own_stats(r) for r in plain.stats.requests]
+    assert piped.stats.emitted == sum(map(len, piped.sequences))
+
+
+def test_an_idle_engine_spreads_what_it_admits_over_every_micro_batch(target):
+    """No draft is pending while nothing runs, so every group may take rows: generate() admits and
+    prefills every prompt before its first step (prefill_time_s covers them all), and the first
+    step verifies a group instead of only drafting one."""
+    with PipelinedEngine(target, PromptLookupDrafter(), policy=FixedPolicy(3), max_rows=6, max_len=30,
+                         eos_token_id=[], micro_batches=3) as engine:
+        for p in random_prompts(6, VOCAB, seed=2, max_len=8):
+            engine.add_request(p, max_new_tokens=4)
+        assert len(engine.admit()) == 6 and engine.num_waiting == 0
+        assert sorted(np.bincount(engine._group_of, minlength=3).tolist()) == [2, 2, 2]
