@@ -247,3 +247,32 @@ def test_an_idle_engine_spreads_what_it_admits_over_every_micro_batch(target):
             engine.add_request(p, max_new_tokens=4)
         assert len(engine.admit()) == 6 and engine.num_waiting == 0
         assert sorted(np.bincount(engine._group_of, minlength=3).tolist()) == [2, 2, 2]
+
+
+def test_a_request_admitted_into_a_row_whose_cancelled_draft_is_pending_counts_only_its_own_drafts(target):
+    """Row 1's request is cancelled while its draft awaits verification in the other group; a new
+    request takes row 1 (in the drafting group) before that group is verified. The verification
+    leaves row 1 out, and the new request's stats count none of its predecessor's draft tokens:
+    they equal its stats alone."""
+    prompts = random_prompts(5, VOCAB, seed=12, min_len=3, max_len=9)
+    make = lambda: ModelDrafter(perturbed_copy(target, 0.1))  # noqa: E731
+    with PipelinedEngine(target, make(), policy=FixedPolicy(3), max_rows=4, max_len=40, eos_token_id=[],
+                         micro_batches=2) as engine:
+        ids = [engine.add_request(p, max_new_tokens=1 if i == 2 else 8) for i, p in enumerate(prompts[:4])]
+        late = []
+
+        def cancel_and_add(request_id, tokens):
+            if not late:
+                assert engine._pending[1] is not None and engine._pending[1].draft.num_tokens[1] > 0
+                assert engine.cancel(ids[1])  # its draft is pending in group 1
+                late.append(engine.add_request(prompts[4], max_new_tokens=8))
+
+        finished = {done.id: done for done in engine.step(cancel_and_add)}  # step 0: verifies group 0 (row 2 ends)
+        finished.update((done.id, done) for done in engine.step())  # step 1: admits into row 1, verifies group 1
+        assert engine._rows[1] is not None and engine._rows[1].id == late[0]  # the scenario happened
+        while engine.has_work():
+            finished.update((done.id, done) for done in engine.step())
+    alone = generate(target, [prompts[4]], drafter=make(), policy=FixedPolicy(3), max_new_tokens=8, eos_token_id=[])
+    done = finished[late[0]]
+    assert done.token_ids == alone.sequences[0] == hf_greedy(target, prompts[4], 8)
+    assert _own_stats(done.stats) == _own_stats(alone.stats.requests[0])
