@@ -13,7 +13,7 @@ import torch
 from specdec import PipelinedEngine, SamplingParams, generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter, SelfSpeculativeDrafter
 from specdec.drafters.tree import TreeSpec
-from specdec.policies import BanditPolicy, FixedPolicy
+from specdec.policies import BanditPolicy, CostModel, FixedPolicy
 from specdec.verifiers import DecomposedVerifier, PaddingFreeVerifier, TreeVerifier
 from tests.test_engine import run_schedule
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
@@ -276,3 +276,48 @@ def test_a_request_admitted_into_a_row_whose_cancelled_draft_is_pending_counts_o
     done = finished[late[0]]
     assert done.token_ids == alone.sequences[0] == hf_greedy(target, prompts[4], 8)
     assert _own_stats(done.stats) == _own_stats(alone.stats.requests[0])
+
+
+@pytest.mark.parametrize("scope", ["request", "batch"])
+def test_bandit_learns_under_pipelining_from_the_arms_its_rows_played(target, scope, monkeypatch):
+    """BanditPolicy keeps each plan's arms, lengths and switches to reward the step that plan
+    led to; under pipelining the next micro-batch is planned before the last one's step is
+    observed, so those must be the observed rows' own (their last plan's), not the newest plan's
+    (whose rows were the other group's: all asked for 0 tokens, nothing was ever learnt). Every
+    reward goes to the arm the step's rows were planned with, and about as many are learnt as
+    unpipelined."""
+    from specdec.policies import bandit_state
+
+    prompts = random_prompts(6, VOCAB, seed=5, min_len=3, max_len=10)
+    original = bandit_state.BanditState.update
+    pulls, wrong = {}, []
+    for pipeline in (1, 2):
+        policy = BanditPolicy(num_draft_tokens=3, scope=scope, cost_model=CostModel.from_coefficients(  # no clock
+            c_fixed=1e-2, c_tok=1e-4, drafters=[{"steps": 2e-3}, {"fixed": 1e-4}]))
+        step = {}  # the step being observed: {row: the arm its plan chose}
+        learnt = []
+
+        def spy(self, bandits, arms, rewards):
+            if self is policy.bandits:
+                for bandit, arm in zip(np.asarray(bandits).tolist(), np.asarray(arms).tolist()):
+                    learnt.append(arm)
+                    expected = {step[bandit]} if scope == "request" else set(step.values())
+                    if arm not in expected:
+                        wrong.append((pipeline, bandit, arm, dict(step)))
+            return original(self, bandits, arms, rewards)
+
+        monkeypatch.setattr(bandit_state.BanditState, "update", spy)
+        observe = policy.observe
+
+        def watch(record):
+            step.clear()
+            step.update({int(r): int(record.drafter_index[r]) for r in record.rows})  # the arm its plan chose
+            return observe(record)
+
+        policy.observe = watch
+        out = generate(target, prompts, drafter=[ModelDrafter(perturbed_copy(target, 0.1)), PromptLookupDrafter()],
+                       policy=policy, max_new_tokens=20, eos_token_id=[], pipeline=pipeline)
+        assert out.sequences == [hf_greedy(target, p, 20) for p in prompts]
+        pulls[pipeline] = len(learnt)
+    assert not wrong
+    assert pulls[2] >= pulls[1] // 2 > 0, pulls
