@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import PipelinedEngine, SamplingParams, generate
+from specdec import Engine, PipelinedEngine, SamplingParams, generate
 from specdec.drafters import ModelDrafter, PromptLookupDrafter, SelfSpeculativeDrafter
 from specdec.drafters.tree import TreeSpec
 from specdec.policies import BanditPolicy, CostModel, FixedPolicy
 from specdec.verifiers import DecomposedVerifier, PaddingFreeVerifier, TreeVerifier
 from tests.test_engine import run_schedule
+from tests.test_engine_sampling import mixed_steps  # noqa: F401 (a fixture)
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts
 
 VOCAB = 96
@@ -377,3 +378,103 @@ def test_goodput_learns_each_step_against_the_lengths_planned_for_its_rows(targe
     assert checked[0] > 0 and not mismatched  # unpipelined: every row drafted as asked
     _goodput_run(target, 2, decide_every=1)
     assert not mismatched, mismatched[:5]
+
+
+@pytest.mark.parametrize("kind,micro_batches,schedule_seed", [("model", 2, 0), ("model", 3, 1), ("lookup", 2, 2),
+                                                             ("sampled tree", 2, 3), ("tree", 3, 4)])
+def test_each_request_gets_what_it_gets_alone_with_its_own_sampling_params_under_pipelining(mixed_steps, kind,
+                                                                                          micro_batches, schedule_seed):
+    """Per-request SamplingParams (types.RowSampling) beside one another, in micro-batches, with
+    staggered arrivals and log-probabilities: each request's tokens and accepted drafts are
+    bit-identical to generate() on it alone (CPU, float32), its log-probabilities equal to
+    rounding; greedy ones are the target's own."""
+    from tests.test_engine_sampling import ENGINE_DEFAULT, GREEDY, PARAMS, drafter_of
+
+    model = make_model("llama", vocab_size=VOCAB, seed=5, dtype=torch.float32)
+    rng = np.random.default_rng(schedule_seed)
+    prompts = random_prompts(9, VOCAB, seed=60 + schedule_seed, min_len=2, max_len=14)
+    budgets = (rng.integers(4, 13, size=len(prompts)) + (12 if kind == "lookup" else 0)).tolist()
+    seeds = rng.integers(0, 2**31, size=len(prompts)).tolist()
+    arrivals = np.sort(rng.integers(0, 8, size=len(prompts))).tolist()
+    params = [PARAMS[(i + schedule_seed) % len(PARAMS)] for i in range(len(prompts))]
+    trees = kind in ("tree", "sampled tree")
+    policy, verifier = FixedPolicy(4 if trees else 3), TreeVerifier() if trees else None
+    with PipelinedEngine(model, drafter_of(kind, model), verifier, policy=policy, max_rows=4, max_len=64,
+                         sampling=ENGINE_DEFAULT, eos_token_id=[], return_logprobs=True,
+                         micro_batches=micro_batches) as engine:
+        ids, finished, step = [None] * len(prompts), {}, 0
+        while step <= max(arrivals) or engine.has_work():
+            for i in np.flatnonzero(np.asarray(arrivals) == step):
+                ids[i] = engine.add_request(prompts[i], budgets[i], params[i], seeds[i])
+            finished.update((done.id, done) for done in engine.step())
+            step += 1
+    assert mixed_steps, "no pass held rows with different sampling parameters: the test checks nothing"
+    accepted = 0
+    for prompt, budget, seed, own, request_id in zip(prompts, budgets, seeds, params, ids):
+        done = finished[request_id]
+        own = ENGINE_DEFAULT if own is None else own
+        alone = generate(model, [prompt], drafter=drafter_of(kind, model), verifier=verifier, policy=policy,
+                         max_new_tokens=budget, sampling=own, seed=[seed], eos_token_id=[], return_logprobs=True)
+        assert done.token_ids == alone.sequences[0], own
+        assert done.stats.accepted == alone.stats.requests[0].accepted, own
+        np.testing.assert_allclose(done.logprobs, alone.logprobs[0], rtol=0, atol=1e-5)
+        if own == GREEDY:
+            assert done.token_ids == hf_greedy(model, prompt, budget)
+        accepted += done.stats.accepted
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("max_rows,micro_batches,kind", [(1, 2, "model"), (2, 3, "model"), (1, 3, "model"),
+                                                          (3, 2, "model"), (5, 2, "model"), (3, 2, "tree"),
+                                                          (2, 3, "decomposed"), (4, 2, "bandit")])
+def test_small_engines_serve_every_request_as_the_plain_engine_does(target, max_rows, micro_batches, kind):
+    """Fewer rows than micro-batches (a group's share is one row, some groups stay empty), one
+    row, and odd shares; chains, token trees, decomposed verification, two drafters under a
+    bandit; requests with budget 0, an EOS token, a stop sequence and
+    min_new_tokens, arrivals while others run and one cancellation from a stream callback: every
+    request is served, in a bounded number of steps, with the plain Engine's tokens, reason and
+    log-probabilities (the plain Engine's outputs are the target's own: test_engine.py)."""
+    rng = np.random.default_rng(max_rows * 10 + micro_batches)
+    prompts = random_prompts(9, VOCAB, seed=70 + max_rows, min_len=2, max_len=12)
+    budgets = [0 if i % 4 == 3 else int(b) for i, b in enumerate(rng.integers(1, 12, size=len(prompts)))]
+    budgets[0] = budgets[1] = 10  # they reach their EOS and stop sequence
+    budgets[-1] = 20  # it runs past its first step, where the stream callback cancels it
+    arrivals = np.sort(rng.integers(0, 10, size=len(prompts))).tolist()
+    eos = hf_greedy(target, prompts[0], 6)[4]  # the first request stops early, after min_new_tokens
+    stop = hf_greedy(target, prompts[1], 8)[2:4]
+    options = dict(max_rows=max_rows, max_len=40, eos_token_id=[eos], min_new_tokens=2, stop_sequences=[stop],
+                   return_logprobs=True)
+    results = []
+    for engine_class, extra in ((PipelinedEngine, {"micro_batches": micro_batches}), (Engine, {})):
+        cancel_id = []
+        drafter, verifier, policy = components(kind, target)
+        with engine_class(target, drafter, verifier, policy, **options, **extra) as engine:
+            ids, finished, step = [None] * len(prompts), {}, 0
+
+            def cancel_one(request_id, tokens):  # the last request, once it has a token or two
+                if ids[-1] is not None and request_id == ids[-1] and not cancel_id:
+                    cancel_id.append(request_id)
+                    engine.cancel(request_id)
+
+            while step <= max(arrivals) or engine.has_work():
+                assert step < 500, "the engine stopped making progress"
+                for i in np.flatnonzero(np.asarray(arrivals) == step):
+                    ids[i] = engine.add_request(prompts[i], max_new_tokens=budgets[i])
+                finished.update((done.id, done) for done in engine.step(cancel_one))
+                step += 1
+            assert engine.num_running == 0 and not engine.num_waiting and engine.batch.finished.all()
+        results.append([finished[i] for i in ids])
+    for ours, plain in zip(*results):
+        assert ours.reason == plain.reason
+        if plain.reason == "cancelled":  # at its first tokens: as many as its first draft kept (a bandit's choice)
+            n = min(len(ours.token_ids), len(plain.token_ids))
+            assert n > 0 and ours.token_ids[:n] == plain.token_ids[:n]
+            np.testing.assert_allclose(ours.logprobs[:n], plain.logprobs[:n], rtol=0, atol=1e-9)
+            continue
+        assert ours.token_ids == plain.token_ids
+        np.testing.assert_allclose(ours.logprobs, plain.logprobs, rtol=0, atol=1e-9)
+    plain = results[1]
+    assert plain[0].reason == "eos" and len(plain[0].token_ids) <= 5  # its EOS (or the stop sequence before it)
+    assert plain[1].reason == "eos" and len(plain[1].token_ids) <= 4  # the stop sequence (or an EOS before it)
+    assert plain[-1].reason == "cancelled" and len(plain[-1].token_ids) < 20
+    assert [len(plain[i].token_ids) for i in range(3, len(prompts), 4)] == [0, 0]  # budget 0
