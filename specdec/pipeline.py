@@ -83,6 +83,17 @@ class PipelinedEngine(Engine):
         self._other_devices = sorted({d.device() for d in self.drafters if d.device() is not None
                                       and d.device().type == "cuda" and d.device() != self.device}, key=str)
 
+    def close(self) -> None:
+        """Wait for drafts still in flight (a micro-batch drafted, then cancelled or dropped), then
+        release as the Engine does: the drafters' runners outlive the engine, and the next engine
+        to use them (on its main stream) must not overwrite their caches and graph buffers while
+        this one's side stream or other GPUs still run on them."""
+        if getattr(self, "_side", None) is not None:
+            self._side.synchronize()
+        for device in getattr(self, "_other_devices", ()):
+            torch.cuda.synchronize(device)
+        super().close()
+
     # ---- groups ----------------------------------------------------------------------------
     def _drafting_group(self) -> int:
         return (self._turn + 1) % self.micro_batches
