@@ -106,7 +106,7 @@ class PipelinedEngine(Engine):
         """Admit into the group drafted this step, up to its share of the rows; an idle engine
         (nothing running, so no draft pending for a running row) spreads what it admits over
         every group, beginning with the one the next step verifies (it drafts it first)."""
-        if self._waiting and self.batch.finished.all():
+        if self._waiting and not self.num_running:  # (not batch.finished, which _only hides rows in)
             self._pending = [None] * self.micro_batches  # drafts of rows since released
             rows = super()._admit()  # at most max_rows <= capacity x micro_batches: round robin fits
             self._group_of[rows] = (self._turn + np.arange(len(rows))) % self.micro_batches
