@@ -412,11 +412,14 @@ class Engine:
             streamed = [(self._rows[row].id, batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist())
                         for row in np.flatnonzero(appended)]
         times, host_seconds = self._phase_times()
+        # only the rows verified count the draft's tokens: in a pipelined engine a row may have been
+        # released, and given a new request, since its draft was made (a no-op otherwise: _bounded)
+        taking_part = accepted >= 0  # [B]
         record = StepRecord(
             step=self.steps,
             rows=rows,
             drafter_index=plan.drafter_index,
-            num_drafted=draft.num_tokens,
+            num_drafted=np.where(taking_part, draft.num_tokens, 0),
             num_accepted=np.minimum(host.num_accepted, appended),
             num_emitted=appended,
             draft_time_s=times.get("draft", 0.0),
@@ -426,7 +429,7 @@ class Engine:
             drafter_wall_s=np.array([host_seconds.get(f"drafter {i}", 0.0) for i in range(len(self.drafters))]),
             step_time_s=time.perf_counter() - step_started,
             plan_time_s=plan_time_s,
-            draft_depths=draft.depths if draft.is_tree else None,
+            draft_depths=None if not draft.is_tree or draft.depths is None else np.where(taking_part, draft.depths, 0),
         )
         self.recorder.record(record, now, batch.finished)
         self.policy.observe(record)

@@ -11,7 +11,7 @@ On a GPU the drafting runs on a side CUDA stream (or on the drafters' own GPU wh
 another device), so the device verifies one group while the host plans and launches the other
 group's drafts; on the CPU the two run one after the other. A request joins the group drafted
 in the step that admits it, and each group holds at most ceil(max_rows / N) rows, so the groups
-stay balanced as requests come and go.
+stay balanced as requests come and go (an idle engine spreads what it admits over every group).
 
 Invariant (lossless): each row goes through the same plan -> propose -> verify -> commit cycle,
 on the same passes of its own data, as in the Engine; only which rows share a pass changes, and
@@ -83,6 +83,17 @@ class PipelinedEngine(Engine):
         self._other_devices = sorted({d.device() for d in self.drafters if d.device() is not None
                                       and d.device().type == "cuda" and d.device() != self.device}, key=str)
 
+    def close(self) -> None:
+        """Wait for drafts still in flight (a micro-batch drafted, then cancelled or dropped), then
+        release as the Engine does: the drafters' runners outlive the engine, and the next engine
+        to use them (on its main stream) must not overwrite their caches and graph buffers while
+        this one's side stream or other GPUs still run on them."""
+        if getattr(self, "_side", None) is not None:
+            self._side.synchronize()
+        for device in getattr(self, "_other_devices", ()):
+            torch.cuda.synchronize(device)
+        super().close()
+
     # ---- groups ----------------------------------------------------------------------------
     def _drafting_group(self) -> int:
         return (self._turn + 1) % self.micro_batches
@@ -92,7 +103,14 @@ class PipelinedEngine(Engine):
         return np.flatnonzero((self._group_of == group) & ~self.batch.finished)
 
     def _admit(self) -> np.ndarray:
-        """Admit into the group drafted this step, up to its share of the rows."""
+        """Admit into the group drafted this step, up to its share of the rows; an idle engine
+        (nothing running, so no draft pending for a running row) spreads what it admits over
+        every group, beginning with the one the next step verifies (it drafts it first)."""
+        if self._waiting and not self.num_running:  # (not batch.finished, which _only hides rows in)
+            self._pending = [None] * self.micro_batches  # drafts of rows since released
+            rows = super()._admit()  # at most max_rows <= capacity x micro_batches: round robin fits
+            self._group_of[rows] = (self._turn + np.arange(len(rows))) % self.micro_batches
+            return rows
         group = self._drafting_group()
         held = sum(request is not None for request, g in zip(self._rows, self._group_of) if g == group)
         room = self._capacity - held

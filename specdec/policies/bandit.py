@@ -154,22 +154,38 @@ class BanditPolicy(Policy):
             self._previous = np.full(num_bandits, -1, dtype=np.int64)  # [N] the arm played last step
             self._switching = np.zeros(num_bandits, dtype=bool)  # [N] whether that step was a switch
             self._hold_left = np.zeros(num_bandits, dtype=np.int64)  # [N] steps the arm is still held for
+            # [B] each row's last plan (while it was active), which observe() rewards: a pipelined
+            # engine plans another micro-batch between a plan and the observation of its step
+            self._asked = np.zeros(batch.num_rows, dtype=np.int64)  # draft lengths, after budget caps
+            self._lengths = np.zeros(batch.num_rows, dtype=np.int64)  # committed lengths
+            self._arms = np.zeros(batch.num_rows, dtype=np.int64)  # the arms played
+            self._switched = np.zeros(batch.num_rows, dtype=bool)  # whether the arm was a switch
         self._batch = batch
+        active = batch.active_rows()  # [A] the rows this plan is for; the others keep their last plan
         remaining = batch.remaining  # [B]
-        self._asked = np.minimum(self.num_draft_tokens, np.maximum(remaining - 1, 0))  # [B]
-        self._lengths = batch.lengths.copy()  # [B]
+        self._asked[active] = np.minimum(self.num_draft_tokens, np.maximum(remaining[active] - 1, 0))
+        self._lengths[active] = batch.lengths[active]
         if self.objective == "call":
             if self._previous[0] < 0:  # the call's first step: its drafter, after learning the call before
                 self._previous = self.bandits.choose()
-                self._call_rows = max(len(batch.active_rows()), 1)
+                self._call_rows = max(len(active), 1)
             arms = self._previous
         else:  # a switch is held for hold_steps steps, its first not rewarded (it reads what the drafter missed)
             arms = np.where(self._hold_left > 0, self._previous, self.bandits.choose())  # [N]
-            self._switching = arms != self._previous
-            self._hold_left = np.where(self._switching, self.hold_steps - 1, np.maximum(self._hold_left - 1, 0))
-            self._previous = arms
-        self._arms = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)  # [B]
-        return Plan(drafter_index=self._arms.copy(),
+            switching = arms != self._previous
+            hold_left = np.where(switching, self.hold_steps - 1, np.maximum(self._hold_left - 1, 0))
+            if per_row:  # only the active rows play (an inactive row's bandit waits for its next plan)
+                live = np.zeros(len(arms), dtype=bool)
+                live[active] = True
+                self._switching = np.where(live, switching, self._switching)
+                self._hold_left = np.where(live, hold_left, self._hold_left)
+                self._previous = np.where(live, arms, self._previous)
+            else:
+                self._switching, self._hold_left, self._previous = switching, hold_left, arms
+            self._switched[active] = np.broadcast_to(switching, (batch.num_rows,))[active]
+        planned = np.broadcast_to(arms, (batch.num_rows,)).astype(np.int64)  # [B]
+        self._arms[active] = planned[active]
+        return Plan(drafter_index=planned,
                     num_draft_tokens=np.full(batch.num_rows, self.num_draft_tokens, dtype=np.int64))
 
     def end_call(self) -> None:
@@ -221,17 +237,17 @@ class BanditPolicy(Policy):
             # a drafter some row switched to spent the step catching up, and its time is shared by
             # every row it drafted for: none of them learns from this step (NaN: not learnt from)
             arms = self._arms[rows]  # [A]
-            caught_up = np.isin(arms, arms[self._switching[rows]])  # [A]
+            caught_up = np.isin(arms, arms[self._switched[rows]])  # [A]
             rewards = np.where(caught_up, np.nan, rewards)
             drafted = (self._asked[rows] > 0) & np.isfinite(rewards)  # a row capped to 0 tokens did not try its arm
             self.bandits.update(rows[drafted], arms[drafted], rewards[drafted])
             self.population.update(np.zeros(int(drafted.sum()), dtype=np.int64), arms[drafted], rewards[drafted])
             return
-        if not self._switching[0] and np.any(self._asked[rows] > 0):  # a step nobody drafted in says nothing
+        if not self._switched[rows].any() and np.any(self._asked[rows] > 0):  # a step nobody drafted in says nothing
             total = self._step_seconds(record, seconds)
             # per active row: slots with every row active and slots of a call's tail compare
             reward = emitted.sum() / (total * len(rows)) if total > 0 else np.nan
-            self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[:1], [reward])
+            self.bandits.update(np.zeros(1, dtype=np.int64), self._arms[rows[:1]], [reward])
 
     def _step_seconds(self, record: StepRecord, seconds: np.ndarray | None = None) -> float:
         """Batch scope: the step's measured wall time (without a cost model), else the sum of its

@@ -3,6 +3,12 @@ tokens it drafts (0 = plain decoding for that row); after the step, learn from w
 
 Invariant: a policy sees only host-side statistics (``StepRecord``) and the batch; it never
 touches drafters, verifiers or tensors on the device.
+
+Under a PipelinedEngine (pipeline.py) a plan's active rows are one micro-batch's (the others
+read as finished), and the next micro-batch is planned before the last one's step is observed
+(plan A, plan B, observe A, plan A, observe B, ...): what a policy keeps from a plan to reward
+its step must be kept per row, from the last plan in which the row was active (BanditPolicy
+does; GoodputPolicy's one decision for the batch does not, tests/test_pipeline.py).
 """
 
 from __future__ import annotations
