@@ -17,8 +17,9 @@ Invariant (lossless, per request): a request's output is the target's own, token
 greedy decoding and identically distributed under sampling, and depends only on its prompt, its
 budget, its sampling parameters and its seed, never on what else is in flight or when it arrived:
 rows never attend to each other, the sampling noise of a token is a function of (seed, position)
-alone, and each row is processed with its own parameters by the same operations as alone. Bit for
-bit on the CPU; on a GPU a pass's shape can change a row's rounding, so the prompt's keys come
+alone, and each row is processed with its own parameters by the same operations as alone. On the
+CPU the same tokens (a pass of other rows may round a logit otherwise in its last bit, which could
+move a draw only at an exact near-tie); on a GPU a pass's shape can change a row's rounding, so the prompt's keys come
 from passes of one shape (prefill.py), while a model drafter's passes still vary with the rows
 beside: its draft probabilities may differ in the last bits, which moves sampled outputs (each
 still distributed as the target's), never greedy ones.

@@ -19,7 +19,8 @@ rows never attend to each other. Greedy output is the target's token for token, 
 sampled output too is the unpipelined engine's token for token, under a policy whose lengths do
 not depend on the rows beside (the seeded noise of a draw is a function of seed and position). Drafters that read the target's runner (self-speculation,
 SPIRe) are refused: their passes would share the target's buffers with the verification that
-runs beside them.
+runs beside them. A policy whose state follows one sequence of steps (``one_per_micro_batch``:
+GoodputPolicy) gets a copy per micro-batch; the object passed in serves the first.
 
 Cost: a row is verified every N steps, each step's verify pass holds about 1/N of the rows;
 ideally a full cycle (every row drafted and verified once) takes max(draft, verify) of the
@@ -30,6 +31,7 @@ after admissions into an empty group) draft it first, without overlap.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -78,6 +80,9 @@ class PipelinedEngine(Engine):
         self._pending: list[_Pending | None] = [None] * micro_batches
         self._turn = 0  # steps begun
         self._pending_timer = PhaseTimer(self.device)  # the draft timing of the group being verified
+        self._policies = [self.policy] * micro_batches  # each group's policy (policies/base.py)
+        if self.policy.one_per_micro_batch:
+            self._policies = [self.policy] + [copy.deepcopy(self.policy) for _ in range(micro_batches - 1)]
         cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if cuda else None  # where drafts are launched
         self._other_devices = sorted({d.device() for d in self.drafters if d.device() is not None
@@ -108,7 +113,7 @@ class PipelinedEngine(Engine):
         every group, beginning with the one the next step verifies (it drafts it first)."""
         if self._waiting and not self.num_running:  # (not batch.finished, which _only hides rows in)
             self._pending = [None] * self.micro_batches  # drafts of rows since released
-            rows = super()._admit()  # at most max_rows <= capacity x micro_batches: round robin fits
+            rows = self._admit_rows()  # at most max_rows <= capacity x micro_batches: round robin fits
             self._group_of[rows] = (self._turn + np.arange(len(rows))) % self.micro_batches
             return rows
         group = self._drafting_group()
@@ -120,10 +125,18 @@ class PipelinedEngine(Engine):
         while len(self._waiting) > room:  # the rest wait for their group's turn
             overflow.append(self._waiting.pop())
         try:
-            rows = super()._admit()
+            rows = self._admit_rows()
         finally:
             self._waiting.extend(reversed(overflow))
         self._group_of[rows] = group
+        return rows
+
+    def _admit_rows(self) -> np.ndarray:
+        """The Engine's admission; every policy copy forgets the admitted rows' last requests."""
+        rows = super()._admit()
+        for policy in {id(p): p for p in self._policies[1:] if p is not self.policy}.values():
+            if rows.size:
+                policy.start_rows(self.batch, rows)
         return rows
 
     @contextlib.contextmanager
@@ -132,10 +145,12 @@ class PipelinedEngine(Engine):
         the policy, drafters and verifier serve the group's rows alone."""
         hidden = np.flatnonzero(~self.batch.finished & (self._group_of != group))  # [H]
         self.batch.finished[hidden] = True
+        self.policy = self._policies[group]
         try:
             yield
         finally:  # a row released meanwhile (a stream callback cancelled it) stays finished
             self.batch.finished[hidden] = [self._rows[row] is None for row in hidden]
+            self.policy = self._policies[0]
 
     # ---- the step ----------------------------------------------------------------------------
     def _propose_group(self, group: int, ready) -> _Pending:

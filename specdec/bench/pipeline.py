@@ -50,8 +50,8 @@ def random_model(shape: dict, device: str, seed: int, dtype=torch.bfloat16):
 
 
 def measure(target, drafter_model, prompts, pipeline: int, k: int, new_tokens: int, repeats: int) -> dict:
-    device = str(target.device)
     """Median over ``repeats`` timed calls (after one warm-up) of one configuration."""
+    device = str(target.device)
     runs = []
     for attempt in range(repeats + 1):
         drafter = ModelDrafter(drafter_model, cuda_graphs="auto")

@@ -31,8 +31,9 @@ def _pipeline_table(result: dict) -> str:
     if not part:
         return ""
     lines = [f"{provenance(result['environment'])} Random-weight Llama shapes, bf16, CUDA graphs, greedy, k = "
-             f"{part['settings']['k']}; a cycle verifies every row once; draft and verify: the unpipelined run's "
-             "phases per step (device time).", "",
+             f"{part['settings']['k']}; a cycle verifies every row once; draft and verify: each run's phases per step "
+             "(device time; a pipelined step holds one micro-batch); cycle / max(draft, verify): against the "
+             "unpipelined run's phases.", "",
              "| models | drafter on | batch | pipeline | cycle ms | draft ms | verify ms | cycle / max(draft, verify) "
              "| identical | agreement |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in part["rows"]:

@@ -8,7 +8,9 @@ Under a PipelinedEngine (pipeline.py) a plan's active rows are one micro-batch's
 read as finished), and the next micro-batch is planned before the last one's step is observed
 (plan A, plan B, observe A, plan A, observe B, ...): what a policy keeps from a plan to reward
 its step must be kept per row, from the last plan in which the row was active (BanditPolicy
-does; GoodputPolicy's one decision for the batch does not, tests/test_pipeline.py).
+does). A policy whose state follows one sequence of steps (GoodputPolicy: one decision, interval
+and step-time model for the batch) sets ``one_per_micro_batch``, and the engine gives each
+micro-batch its own copy: the object passed in serves the first micro-batch.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from ..types import Plan
 
 
 class Policy(ABC):
+    #: under a PipelinedEngine, give each micro-batch a copy of its own (state for one step sequence)
+    one_per_micro_batch = False
+
     @property
     @abstractmethod
     def max_draft_tokens(self) -> int:

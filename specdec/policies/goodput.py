@@ -48,6 +48,8 @@ NEVER = -(1 << 40)  # a row's "last drafted" step before it ever drafted
 
 
 class GoodputPolicy(Policy):
+    one_per_micro_batch = True  # one decision and step-time model per sequence of steps (policies/base.py)
+
     def __init__(self, cost_model: CostModel, max_draft_tokens: int = 8, drafter_index: int = 0, prior: float = 0.5,
                  min_gain: float = 0.10, decide_every: int = 1, search: str = "exact"):
         """cost_model: predicted step times (its drafter ``drafter_index`` must be timed);

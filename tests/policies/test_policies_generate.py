@@ -7,6 +7,7 @@ asserted from the plans and step records the policy saw, so a policy that never 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -77,6 +78,20 @@ class Recording(Policy):
     @property
     def max_draft_tokens(self) -> int:
         return self.inner.max_draft_tokens
+
+    @property
+    def one_per_micro_batch(self) -> bool:  # a PipelinedEngine then copies this recording, inner policy and all
+        return self.inner.one_per_micro_batch
+
+    def __deepcopy__(self, memo):
+        """A copy of the inner policy that records into the same lists (every micro-batch's plans
+        and steps, in the order they happened)."""
+        twin = Recording(copy.deepcopy(self.inner, memo), self.withhold_times)
+        twin.plans, twin.remaining, twin.records = self.plans, self.remaining, self.records
+        return twin
+
+    def start_rows(self, batch, rows):
+        self.inner.start_rows(batch, rows)
 
     def plan(self, batch, num_drafters):
         plan = self.inner.plan(batch, num_drafters)
