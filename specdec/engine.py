@@ -312,8 +312,8 @@ class Engine:
                         self._rows[row], request.row = None, -1
                         self._waiting.appendleft(request)
                 raise
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":  # this stream's work only: a pipelined draft may run beside it
+                torch.cuda.current_stream(self.device).synchronize()
             self._prefill_passes += 1
             self._prefill_s += time.perf_counter() - started
         return rows

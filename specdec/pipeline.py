@@ -175,6 +175,11 @@ class PipelinedEngine(Engine):
 
     def _decode(self, stream) -> None:
         step_started = time.perf_counter()
+        for _ in range(self.micro_batches - 1):  # a micro-batch that emptied gives its turn to the next
+            if self._members(self._turn % self.micro_batches).size:
+                break
+            self._pending[self._turn % self.micro_batches] = None
+            self._turn += 1
         verified, drafted = self._turn % self.micro_batches, self._drafting_group()
         self._turn += 1
         main = torch.cuda.current_stream(self.device) if self._side is not None else None

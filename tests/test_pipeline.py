@@ -472,3 +472,22 @@ def test_small_engines_serve_every_request_as_the_plain_engine_does(target, max_
     assert plain[1].reason == "eos" and len(plain[1].token_ids) <= 4  # the stop sequence (or an EOS before it)
     assert plain[-1].reason == "cancelled" and len(plain[-1].token_ids) < 20
     assert [len(plain[i].token_ids) for i in range(3, len(prompts), 4)] == [0, 0]  # budget 0
+
+
+def test_a_micro_batch_that_empties_gives_its_turn_away(target):
+    """Two short requests in one micro-batch and two long ones in the other: once the short ones
+    finish, every step still verifies (no step that only drafts), and outputs stay exact."""
+    log = []
+    prompts = random_prompts(4, VOCAB, seed=17, min_len=3, max_len=8)
+    budgets = [2, 14, 2, 14]  # the idle engine admits round robin: rows 0 and 2 share a micro-batch
+    with PipelinedEngine(target, LoggingLookup(log), LoggingVerifier(log), policy=FixedPolicy(3), max_rows=4,
+                         max_len=40, eos_token_id=[], micro_batches=2) as engine:
+        ids = [engine.add_request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+        finished, steps, verifies_before = {}, 0, 0
+        while engine.has_work():
+            finished.update((done.id, done) for done in engine.step())
+            steps += 1
+            verifies = sum(what == "verify" for what, _ in log)
+            assert verifies == verifies_before + 1, f"step {steps} verified {verifies - verifies_before} passes"
+            verifies_before = verifies
+    assert [finished[i].token_ids for i in ids] == [hf_greedy(target, p, b) for p, b in zip(prompts, budgets)]
