@@ -32,13 +32,13 @@ def drafter_of(kind, target):
 
 
 def run_schedule(engine, requests, arrivals):
-    """Add request i before step arrivals[i] (steps counted from 0); step until all are done
-    -> {id: FinishedRequest}, and the ids in request order."""
+    """Add request i (prompt, budget, seed[, its SamplingParams]) before step arrivals[i] (steps
+    counted from 0); step until all are done -> {id: FinishedRequest}, and the ids in request order."""
     ids, finished, step = [None] * len(requests), {}, 0
     while step <= max(arrivals) or engine.has_work():
         for i in np.flatnonzero(np.asarray(arrivals) == step):
-            prompt, budget, seed = requests[i]
-            ids[i] = engine.add_request(prompt, max_new_tokens=budget, seed=seed)
+            prompt, budget, seed, *sampling = requests[i]
+            ids[i] = engine.add_request(prompt, max_new_tokens=budget, seed=seed, sampling=(sampling or [None])[0])
         finished.update((done.id, done) for done in engine.step())
         step += 1
     return finished, ids

@@ -30,6 +30,7 @@ from specdec.policies import FixedPolicy
 from specdec.sampling import chain_verdict, process_logits
 from specdec.types import RowSampling
 from specdec.verifiers import TreeVerifier
+from tests.test_engine import run_schedule
 from tests.test_generate_sampling import joint_pvalue
 from tests.tiny import hf_greedy, make_model, perturbed_copy, random_prompts, shifted
 
@@ -91,12 +92,7 @@ def test_each_request_gets_what_it_gets_alone_whatever_params_run_beside_it(mode
     verifier = TreeVerifier() if kind in ("tree", "sampled tree", "trie") else None
     with Engine(model, drafter_of(kind, model), verifier, policy=policy, max_rows=3, max_len=64,
                 sampling=ENGINE_DEFAULT, eos_token_id=[]) as engine:
-        ids, finished, step = [None] * len(prompts), {}, 0
-        while step <= max(arrivals) or engine.has_work():
-            for i in np.flatnonzero(np.asarray(arrivals) == step):
-                ids[i] = engine.add_request(prompts[i], budgets[i], params[i], seeds[i])
-            finished.update((done.id, done) for done in engine.step())
-            step += 1
+        finished, ids = run_schedule(engine, list(zip(prompts, budgets, seeds, params)), arrivals)
     assert mixed_steps, "no step had rows with different sampling parameters: the test checks nothing"
     accepted = 0
     for prompt, budget, seed, own, request_id in zip(prompts, budgets, seeds, params, ids):

@@ -396,12 +396,7 @@ def test_each_request_gets_what_it_gets_alone_with_its_own_sampling_params_under
     with PipelinedEngine(model, drafter_of(kind, model), verifier, policy=policy, max_rows=4, max_len=64,
                          sampling=ENGINE_DEFAULT, eos_token_id=[], return_logprobs=True,
                          micro_batches=micro_batches) as engine:
-        ids, finished, step = [None] * len(prompts), {}, 0
-        while step <= max(arrivals) or engine.has_work():
-            for i in np.flatnonzero(np.asarray(arrivals) == step):
-                ids[i] = engine.add_request(prompts[i], budgets[i], params[i], seeds[i])
-            finished.update((done.id, done) for done in engine.step())
-            step += 1
+        finished, ids = run_schedule(engine, list(zip(prompts, budgets, seeds, params)), arrivals)
     assert mixed_steps, "no pass held rows with different sampling parameters: the test checks nothing"
     accepted = 0
     for prompt, budget, seed, own, request_id in zip(prompts, budgets, seeds, params, ids):
