@@ -17,15 +17,17 @@ Invariant (lossless): each row goes through the same plan -> propose -> verify -
 on the same passes of its own data, as in the Engine; only which rows share a pass changes, and
 rows never attend to each other. Greedy output is the target's token for token, and on the CPU
 sampled output too is the unpipelined engine's token for token, under a policy whose lengths do
-not depend on the rows beside (the seeded noise of a draw is a function of seed and position). Drafters that read the target's runner (self-speculation,
-SPIRe) are refused: their passes would share the target's buffers with the verification that
-runs beside them. A policy whose state follows one sequence of steps (``one_per_micro_batch``:
-GoodputPolicy) gets a copy per micro-batch; the object passed in serves the first.
+not depend on the rows beside (the seeded noise of a draw is a function of seed and position).
+Drafters that read the target's runner (self-speculation, SPIRe) are refused: their passes would
+share the target's buffers with the verification that runs beside them. A policy whose state
+follows one sequence of steps (``one_per_micro_batch``: GoodputPolicy) gets a copy per
+micro-batch; the object passed in serves the first.
 
 Cost: a row is verified every N steps, each step's verify pass holds about 1/N of the rows;
 ideally a full cycle (every row drafted and verified once) takes max(draft, verify) of the
-whole batch instead of their sum. Steps that find a group without a draft (the first one,
-after admissions into an empty group) draft it first, without overlap.
+whole batch instead of their sum (BENCHMARKS.md section 11: a micro-batch's passes cost nearly the
+whole batch's at batch 16-64, which bounds the gain). Steps that find a group without a draft
+(the first one) draft it first, without overlap; a group that emptied gives its turn away.
 """
 
 from __future__ import annotations
