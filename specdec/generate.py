@@ -11,6 +11,7 @@ distributed under sampling.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from dataclasses import dataclass
@@ -103,8 +104,9 @@ def _generate(target, prompts, drafter, verifier, policy, max_new_tokens, sampli
     if stream is not None and not callable(stream):
         raise TypeError(f"stream must be a function of (request index, token ids), got {type(stream).__name__}")
     inputs.check_lengths_fit(target, token_prompts, max_new_tokens)
-    if not (isinstance(pipeline, int) and not isinstance(pipeline, bool) and pipeline >= 1):
+    if not (isinstance(pipeline, numbers.Integral) and not isinstance(pipeline, bool) and pipeline >= 1):
         raise ValueError(f"pipeline must be an int >= 1 (micro-batches; 1: no pipelining), got {pipeline!r}")
+    pipeline = int(pipeline)
     engine_class, options = (Engine, {}) if pipeline == 1 else (PipelinedEngine, {"micro_batches": pipeline})
     with engine_class(target, drafter, verifier, policy, max_rows=len(token_prompts),
                       max_len=max(map(len, token_prompts)) + max_new_tokens, sampling=sampling,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -62,8 +63,10 @@ class PipelinedEngine(Engine):
     rows (see the module docstring); every other argument is the Engine's."""
 
     def __init__(self, *args, micro_batches: int = 2, **kwargs):
-        if not (isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 2):
+        if not (isinstance(micro_batches, numbers.Integral) and not isinstance(micro_batches, bool)
+                and micro_batches >= 2):
             raise ValueError(f"micro_batches must be an int >= 2 (1 is the plain Engine), got {micro_batches!r}")
+        micro_batches = int(micro_batches)
         super().__init__(*args, **kwargs)
         try:
             reading = [d.describe() for d in self.drafters if d.reads_target]

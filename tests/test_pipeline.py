@@ -180,6 +180,11 @@ def test_bad_pipelines_are_refused_clearly(target):
         generate(target, [[1, 2]], pipeline=True)
     with pytest.raises(ValueError, match="micro_batches must be an int >= 2"):
         PipelinedEngine(target, micro_batches=1)
+    with pytest.raises(ValueError, match="pipeline must be an int >= 1"):
+        generate(target, [[1, 2]], pipeline=2.0)
+    # a numpy integer is an int (a value from a sweep, say)
+    assert generate(target, [[1, 2, 3]], max_new_tokens=3, eos_token_id=[], pipeline=np.int64(2)).sequences == \
+        [hf_greedy(target, [1, 2, 3], 3)]
     with pytest.raises(ValueError, match="drafts from the target's own runner"):
         generate(target, [[1, 2, 3]], drafter=SelfSpeculativeDrafter(sink=1, window=3), pipeline=2)
     # the refused engine released the target: a plain call runs
