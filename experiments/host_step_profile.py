@@ -1,0 +1,86 @@
+"""Where does the host time of a plain decoding step go? (issue 36: host time per step at most
+0.3 ms at batch 1; the quick bench of 36717cf measured 0.88 ms under CUDA graphs.)
+
+Runs plain decoding of a random-weight Llama shape through generate() at one batch size, under
+cProfile for the timed call, and prints each specdec function's own and cumulative host time per
+step, the blocking device-to-host copy (the step's one synchronisation, ``HostVerdict`` via
+``to_host``) shown apart: its time is the device's, not the host's.
+
+    PYTHONPATH=. python experiments/host_step_profile.py --shape llama-8B --batch 1      # GPU
+    PYTHONPATH=. python experiments/host_step_profile.py --device cpu --tiny             # a smoke run
+
+Writes the table as JSON with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+
+import torch
+
+from specdec import generate
+from specdec.bench.bandwidth import SHAPES
+from specdec.bench.pipeline import random_model
+from specdec.policies import FixedPolicy
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=96)
+
+
+def profile_steps(model, batch: int, context: int, new_tokens: int, options: dict) -> tuple[list[dict], int, float]:
+    """-> (rows of function, own ms a step, cumulative ms a step, calls a step; steps; wall ms a step)."""
+    prompts = [[(7 * i + j) % model.config.vocab_size for j in range(context)] for i in range(batch)]
+    for _ in range(2):  # the first call sizes the cache and captures the graphs
+        generate(model, prompts, policy=FixedPolicy(0), max_new_tokens=new_tokens, eos_token_id=[], **options)
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    out = generate(model, prompts, policy=FixedPolicy(0), max_new_tokens=new_tokens, eos_token_id=[], **options)
+    profiler.disable()
+    wall = time.perf_counter() - started
+    steps = out.stats.steps
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        if "specdec" not in path and name not in ("synchronize", "cpu", "item"):
+            continue
+        rows.append(dict(function=f"{path.split('specdec/')[-1]}:{line}({name})", own_ms=1000 * own / steps,
+                         cumulative_ms=1000 * cumulative / steps, calls=calls / steps))
+    rows.sort(key=lambda r: -r["cumulative_ms"])
+    return rows, steps, 1000 * (wall - out.stats.prefill_time_s) / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-8B", choices=sorted(SHAPES))
+    parser.add_argument("--tiny", action="store_true", help="a tiny random shape (smoke run)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--out", help="JSON file for the table")
+    args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    shape = TINY if args.tiny else SHAPES[args.shape]
+    model = random_model(shape, args.device, seed=0, dtype=torch.bfloat16 if cuda else torch.float32)
+    options = dict(attention="fast", cuda_graphs=True) if cuda else {}
+    rows, steps, wall_ms = profile_steps(model, args.batch, min(args.context, 64 if args.tiny else args.context),
+                                         args.new_tokens, options)
+    print(f"{steps} steps, {wall_ms:.3f} ms a step under the profiler (wall less prefill)")
+    print(f"{'cumulative ms':>13} {'own ms':>8} {'calls':>6}  function (per step)")
+    for row in rows[: args.top]:
+        print(f"{row['cumulative_ms']:13.3f} {row['own_ms']:8.3f} {row['calls']:6.1f}  {row['function']}")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(dict(shape="tiny" if args.tiny else args.shape, device=args.device, batch=args.batch,
+                           steps=steps, wall_ms_per_step=wall_ms, rows=rows), handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
