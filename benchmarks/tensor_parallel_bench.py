@@ -3,11 +3,11 @@ random-weight Llama shapes sharded over the GPUs of one host by transformers' ow
 plan (``tp_plan="auto"``), against the bandwidth floor of the sharded step, and the scaling of one
 shape from one GPU to several.
 
-On a machine with two GPUs, from the repository root (an estimate, not yet timed: 2-3 minutes
-with model creation when the sharded target runs in CUDA graphs, up to about 5 when it falls back
-to eager mode; rank 0 writes tensor_parallel.json and tensor_parallel.md into --out after each
-phase and each sharded batch size, so a run cut short still leaves what it measured; --no-graphs
-runs eagerly throughout):
+On a machine with two GPUs, from the repository root (104 s on two H200s with --new-tokens 32
+--repeats 2, CUDA graphs throughout; with the defaults, 64 new tokens and 3 repeats, an estimated
+2-3 minutes, up to about 5 when the sharded target falls back to eager mode; rank 0 writes
+tensor_parallel.json and tensor_parallel.md into --out after each phase and each sharded batch
+size, so a run cut short still leaves what it measured; --no-graphs runs eagerly throughout):
 
     SPECDEC_COMMIT=<commit> torchrun --standalone --nproc_per_node 2 \\
         benchmarks/tensor_parallel_bench.py --device cuda --out benchmarks/results/tp_h200
@@ -20,9 +20,10 @@ and on the CPU, as a smoke run on tiny shapes over gloo (what tests/bench/test_t
         --out /tmp/tp --batch-sizes 1 3 --new-tokens 6 --prompt-tokens 5 --repeats 1 --k 3
 
 Preset "gpu": the "big" shape is SHAPES["llama-30B"] (LLaMA-1 30B, 32.5B parameters, 65 GB in
-bf16: too big to decode fast on one GPU), the "scaling" shape SHAPES["llama-8B"]; bf16; the drafter
-is pipeline.DRAFTER_SHAPE (4 layers of width 1024) over the target's vocabulary, replicated on every
-rank. Phases, each on every rank in lockstep unless said otherwise:
+bf16: it fits on one H200, but its one-GPU floor is about 15 ms a step, twice the two-GPU one),
+the "scaling" shape SHAPES["llama-8B"]; bf16; the drafter is pipeline.DRAFTER_SHAPE (4 layers of
+width 1024) over the target's vocabulary, replicated on every rank. Phases, each on every rank in
+lockstep unless said otherwise:
 
 1. bandwidth: each rank's copy bandwidth (bandwidth.copy_bandwidth), measured at the same time.
 2. one GPU: rank 0 alone (the others wait at a host barrier) decodes the scaling shape unsharded
@@ -34,13 +35,14 @@ rank. Phases, each on every rank in lockstep unless said otherwise:
 
 What is measured: a call's decoding time is its wall time between device syncs less its prefill
 (generate()'s stats), over its steps: ms per step (the whole loop's iteration, host work included)
-and tokens per second; the median call of ``repeats`` after a warm-up call, rank 0's clock. tau is
-the tokens a row-step emits: random weights accept few drafts, so tau stays near 1 and
-speculation is not expected to win here; the rows show what a step of each kind costs. The floor
-of a plain step (floor_seconds): the slowest rank's bytes read per step (its shard of the
-weights plus its KV heads' cache) over its copy bandwidth. Targets: the big shape's plain step at
-batch 1 at >= 60% of its floor on the GPUs it is sharded over; the scaling shape's plain step on
-them >= 1.5x faster than on one GPU (in the same mode), at each batch size.
+and tokens per second; the median call of ``repeats`` after a warm-up call (of an even number,
+the slower middle one: middle_call), rank 0's clock. tau is the tokens a row-step emits: random
+weights accept few drafts, so tau stays near 1 and speculation is not expected to win here; the
+rows show what a step of each kind costs. The floor of a plain step (floor_seconds): the slowest
+rank's bytes read per step (its shard of the weights plus its KV heads' cache) over its copy
+bandwidth. Targets: the big shape's plain step at batch 1 at >= 60% of its floor on the GPUs it is
+sharded over; the scaling shape's plain step on them >= 1.5x faster than on one GPU (in the same
+mode), at each batch size.
 
 Invariants checked and recorded: the target's parameters are DTensors (its tensor-parallel group
 is found, so generate() runs it tensor-parallel, rank 0 deciding); each rank caches its own
@@ -107,7 +109,7 @@ class Settings:
     k: int = 4  # draft tokens a speculative step
     new_tokens: int = 64
     prompt_tokens: int = 128  # random token ids a prompt
-    repeats: int = 3  # timed calls after the warm-up; the median is reported
+    repeats: int = 3  # timed calls after the warm-up; the median is reported (middle_call)
     graphs: bool = True  # CUDA graphs where they work (CUDA only)
     seed: int = 0
 
@@ -312,8 +314,10 @@ def timed_call(target, prompts, drafter_model, k: int, new_tokens: int, graphs: 
 
 
 def measure(target, prompts, drafter_model, k: int, settings: Settings, graphs: bool) -> dict:
-    """The call of median step time among ``settings.repeats`` timed calls, after one warm-up call
-    that sizes the caches and captures the graphs, so nothing is allocated or captured while timed."""
+    """The call of median step time among ``settings.repeats`` timed calls (of an even number, the
+    slower of the two middle ones: index repeats // 2 of the calls sorted by step time), after one
+    warm-up call that sizes the caches and captures the graphs, so nothing is allocated or
+    captured while timed."""
     def call() -> dict:
         return timed_call(target, prompts, drafter_model, k, settings.new_tokens, graphs, settings.device)
 
@@ -504,6 +508,16 @@ def describe(row: dict) -> str:
     return f"{head} {row['step_ms']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s tau {row['tau']:.2f}{floor}{same}"
 
 
+def middle_call(repeats: int) -> str:
+    """Which of ``repeats`` timed calls measure() reports, in words: the median of an odd number;
+    of an even number the call at index repeats // 2 by step time, the slower middle one."""
+    if repeats == 1:
+        return "one call"
+    if repeats % 2:
+        return f"median of {repeats} calls"
+    return "the slower of 2 calls" if repeats == 2 else f"the slower middle call of {repeats}"
+
+
 def markdown(result: dict) -> str:
     """The rows and targets as markdown, with the run's provenance."""
     settings = result["settings"]
@@ -517,7 +531,7 @@ def markdown(result: dict) -> str:
              f"{provenance(result['environment'])} Random-weight Llama shapes, {settings['dtype']}, greedy; prompts of "
              f"{settings['prompt_tokens']} random tokens, {settings['new_tokens']} new tokens; speculative: k = "
              f"{settings['k']} from a random drafter replicated on every rank (random weights accept few drafts: tau "
-             f"near 1); median of {settings['repeats']} calls after a warm-up. Floor: the slowest rank's bytes a plain "
+             f"near 1); {middle_call(settings['repeats'])} after a warm-up. Floor: the slowest rank's bytes a plain "
              f"step reads (its weight shards and its KV heads' cache at {settings['context']} positions) over its copy "
              f"bandwidth ({bandwidth} TB/s per rank). {sizes}.", "",
              "| shape | GPUs | mode | batch | decoding | ms/step | tok/s | tau | floor ms | of floor | identical to plain "

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import benchmarks.tensor_parallel_bench as tp_bench
 from benchmarks.tensor_parallel_bench import (SHAPES, TINY_SHAPES, Settings, check_shardable, floor_seconds,
-                                              llama_parameters, step_bytes)
+                                              llama_parameters, markdown, measure, middle_call, step_bytes)
+from specdec.bench import bandwidth
 from specdec.bench.pipeline import random_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +48,32 @@ def test_step_bytes_of_an_unsharded_model_by_hand():
     assert sum(p.numel() for p in model.parameters()) == 24736
     assert step_bytes(model, batch=3, context=8) == {"weights": (24736 - 96 * 32 + 3 * 32) * 4,
                                                      "kv": 3 * 8 * 2 * 2 * 2 * 8 * 4}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(TINY_SHAPES))
+def test_the_one_gpu_floor_is_bandwidth_pys(name, dtype):
+    """Unsharded, step_bytes over one bandwidth is specdec.bench.bandwidth.floor_seconds (the
+    convention of BENCHMARKS section 2: one table row a token, the head whole, each row's cache at
+    the context given), at every batch size."""
+    model = random_model(TINY_SHAPES[name], "cpu", seed=0, dtype=dtype)
+    for batch in (1, 3, 16):
+        counted = step_bytes(model, batch=batch, context=40)
+        assert floor_seconds([counted["weights"] + counted["kv"]], [1e9]) == pytest.approx(
+            bandwidth.floor_seconds(model, batch, 40, 1e9), rel=1e-12)
+
+
+def test_the_reported_call_is_the_median_or_the_slower_middle_one(monkeypatch):
+    """measure() reports the call at index repeats // 2 by step time, after a warm-up call it
+    ignores; of an even number that is the slower middle call, and the report says so."""
+    for times, picked in (([9.0, 3.0], 3.0), ([9.0, 3.0, 1.0], 3.0), ([9.0, 4.0, 1.0, 2.0, 3.0], 3.0),
+                          ([0.5, 4.0, 1.0, 2.0, 3.0], 3.0)):
+        calls = iter(times)
+        monkeypatch.setattr(tp_bench, "timed_call", lambda *args: {"step_ms": next(calls)})
+        settings = Settings(device="cpu", repeats=len(times) - 1)
+        assert measure(None, [[1]], None, 0, settings, False)["step_ms"] == picked
+    assert [middle_call(n) for n in (1, 2, 3, 4)] == ["one call", "the slower of 2 calls", "median of 3 calls",
+                                                      "the slower middle call of 4"]
 
 
 def test_parameter_counts_of_the_gpu_shapes():
@@ -125,6 +153,15 @@ def test_the_plain_rows_and_their_floors(report):
         assert row["floor_ms"] == pytest.approx(1000 * expected)
         assert row["fraction_of_floor"] == pytest.approx(row["floor_ms"] / row["step_ms"])
         assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1000 / row["step_ms"])
+
+
+def test_the_report_says_which_call_it_reports(report):
+    """Of two timed calls measure() reports the slower (index 1 of 2 by step time): the report
+    must not call it a median (as the run of ccc55a1's did, --repeats 2)."""
+    result, text = report
+    assert "; one call after a warm-up" in text  # --repeats 1
+    two = {**result, "settings": {**result["settings"], "repeats": 2}}
+    assert "the slower of 2 calls after a warm-up" in markdown(two) and "median of 2" not in markdown(two)
 
 
 def test_the_report_names_its_run_and_the_targets(report):
