@@ -14,8 +14,9 @@
 #             draft lengths, batch $BATCH_SIZES, default 1,16,64)
 #   pipeline  python -m specdec bench --parts pipeline (random-weight 1B and 8B targets, drafting beside verification
 #             on a side stream and, with two GPUs, on the second; batch $BATCH_SIZES, default 16,64; no zoo)
-#   tp        torchrun over every GPU seen: benchmarks/tensor_parallel_bench.py (random-weight 8B and 30B targets
-#             sharded tensor-parallel, the 8B also on one GPU; ~2 min on two H200s; options in $TP_ARGS)
+#   tp        torchrun over $TP_NPROC GPUs (default 2): benchmarks/tensor_parallel_bench.py (random-weight 8B and 30B
+#             targets sharded tensor-parallel, the 8B also on one GPU; ~2.5 min on two H200s; options in $TP_ARGS;
+#             it writes tensor_parallel.json: rename it tensor_parallel_<machine>_<commit>.json in benchmarks/results)
 #   long      python -m specdec bench --long-context on the gpu-long zoo (built first, with its SPIRe drafts:
 #             ~8 min alone), contexts $CONTEXTS (default 1024,4096,16384), batch $BATCH_SIZES (default 1,16,64),
 #             k $KS (default 2,3,4,5,6); more options in $LONG_ARGS
@@ -60,7 +61,7 @@ has pipeline && { timeout ${PIPELINE_TIMEOUT:-540} python3 -m specdec bench --pa
   --batch-sizes "${BATCH_SIZES:-16,64}" --repeats "${REPEATS:-3}" --out "$WORK" 2>&1 | tee "$WORK/pipeline.log" \
   | quiet | tail -30; pack; }
 has tp && { (cd "$(dirname "$0")/.." && timeout ${TP_TIMEOUT:-540} torchrun --standalone \
-  --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/tensor_parallel_bench.py --device cuda --out "$WORK" \
+  --nproc_per_node "${TP_NPROC:-2}" benchmarks/tensor_parallel_bench.py --device cuda --out "$WORK" \
   ${TP_ARGS:-}) 2>&1 | tee "$WORK/tp.log" | quiet | tail -30; pack; }
 if has long; then
   timeout ${LONG_BUILD_TIMEOUT:-560} python3 -m specdec zoo build --preset gpu-long --device cuda 2>&1 | tr '\r' '\n' \
