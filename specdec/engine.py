@@ -19,10 +19,10 @@ budget, its sampling parameters and its seed, never on what else is in flight or
 rows never attend to each other, the sampling noise of a token is a function of (seed, position)
 alone, and each row is processed with its own parameters by the same operations as alone. On the
 CPU the same tokens (a pass of other rows may round a logit otherwise in its last bit, which could
-move a draw only at an exact near-tie); on a GPU a pass's shape can change a row's rounding, so the prompt's keys come
-from passes of one shape (prefill.py), while a model drafter's passes still vary with the rows
-beside: its draft probabilities may differ in the last bits, which moves sampled outputs (each
-still distributed as the target's), never greedy ones.
+move a draw only at an exact near-tie); on a GPU a pass's shape can change a row's rounding, so
+the prompt's keys come from passes of one shape (prefill.py), while a model drafter's passes still
+vary with the rows beside: its draft probabilities may differ in the last bits, which moves sampled
+outputs (each still distributed as the target's), never greedy ones.
 
 Cost per step: one target forward over the active rows' drafts (plus the prefill's passes in a
 step that admits requests: replays of one graph under CUDA graphs), the drafters' passes, and

@@ -81,13 +81,14 @@ class PipelinedEngine(Engine):
             raise
         self.micro_batches = micro_batches
         self._capacity = math.ceil(self.batch.num_rows / micro_batches)  # rows per group at most
-        self._group_of = np.full(self.batch.num_rows, -1, dtype=np.int64)  # [B] each running row's group
+        self._group_of = np.full(self.batch.num_rows, -1, dtype=np.int64)  # [B] each running row's group, -1: free
         self._pending: list[_Pending | None] = [None] * micro_batches
         self._turn = 0  # steps begun
         self._pending_timer = PhaseTimer(self.device)  # the draft timing of the group being verified
-        self._policies = [self.policy] * micro_batches  # each group's policy (policies/base.py)
-        if self.policy.one_per_micro_batch:
-            self._policies = [self.policy] + [copy.deepcopy(self.policy) for _ in range(micro_batches - 1)]
+        # each group's policy (policies/base.py): the one passed in, and copies of it where it asks
+        self._copies = ([copy.deepcopy(self.policy) for _ in range(micro_batches - 1)]
+                        if self.policy.one_per_micro_batch else [])
+        self._policies = [self.policy] + (self._copies or [self.policy] * (micro_batches - 1))
         cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if cuda else None  # where drafts are launched
         self._other_devices = sorted({d.device() for d in self.drafters if d.device() is not None
@@ -119,11 +120,11 @@ class PipelinedEngine(Engine):
         if self._waiting and not self.num_running:  # (not batch.finished, which _only hides rows in)
             self._pending = [None] * self.micro_batches  # drafts of rows since released
             rows = self._admit_rows()  # at most max_rows <= capacity x micro_batches: round robin fits
-            self._group_of[rows] = (self._turn + np.arange(len(rows))) % self.micro_batches
+            groups = (self._turn + np.arange(len(rows))) % self.micro_batches
+            self._group_of[rows] = np.where(self.batch.finished[rows], -1, groups)  # budget 0: released at once
             return rows
         group = self._drafting_group()
-        held = sum(request is not None for request, g in zip(self._rows, self._group_of) if g == group)
-        room = self._capacity - held
+        room = self._capacity - np.count_nonzero(self._group_of == group)
         if room <= 0 or not self._waiting:
             return np.zeros(0, dtype=np.int64)
         overflow = []
@@ -133,16 +134,22 @@ class PipelinedEngine(Engine):
             rows = self._admit_rows()
         finally:
             self._waiting.extend(reversed(overflow))
-        self._group_of[rows] = group
+        self._group_of[rows] = np.where(self.batch.finished[rows], -1, group)  # budget 0: released at once
         return rows
 
     def _admit_rows(self) -> np.ndarray:
         """The Engine's admission; every policy copy forgets the admitted rows' last requests."""
         rows = super()._admit()
-        for policy in {id(p): p for p in self._policies[1:] if p is not self.policy}.values():
-            if rows.size:
+        if rows.size:
+            for policy in self._copies:
                 policy.start_rows(self.batch, rows)
         return rows
+
+    def _release(self, request, reason: str):
+        row = request.row
+        result = super()._release(request, reason)
+        self._group_of[row] = -1  # a free row is in no group
+        return result
 
     @contextlib.contextmanager
     def _only(self, group: int):
@@ -154,7 +161,7 @@ class PipelinedEngine(Engine):
         try:
             yield
         finally:  # a row released meanwhile (a stream callback cancelled it) stays finished
-            self.batch.finished[hidden] = [self._rows[row] is None for row in hidden]
+            self.batch.finished[hidden] = self._group_of[hidden] < 0
             self.policy = self._policies[0]
 
     # ---- the step ----------------------------------------------------------------------------

@@ -3,8 +3,9 @@ ALGORITHMS.md §9; issue 35) against drafting and verifying in sequence, CUDA on
 
 Random-weight Llama shapes, bf16, CUDA graphs, greedy (PAIRS): a 1B target ("llama-1B") with a
 drafter of 4 layers of width 1024 over the same 128K vocabulary, whose passes are bound by host
-time, and an 8B target with a 1B drafter, whose passes read more weights. With random weights few drafts are accepted, which
-does not matter here: the bench measures how long steps take, not how many tokens they emit.
+time, and an 8B target with a 1B drafter, whose passes read more weights. With random weights
+few drafts are accepted, which does not matter here: the bench measures how long steps take, not
+how many tokens they emit.
 Placements: the drafter on the target's GPU (the pipeline's drafts on a side stream) and, where
 two GPUs are seen, on the second one.
 
@@ -50,7 +51,8 @@ def random_model(shape: dict, device: str, seed: int, dtype=torch.bfloat16):
 
 
 def measure(target, drafter_model, prompts, pipeline: int, k: int, new_tokens: int, repeats: int) -> dict:
-    """Median over ``repeats`` timed calls (after one warm-up) of one configuration."""
+    """The middle of ``repeats`` timed calls by cycle time (the median when ``repeats`` is odd;
+    of an even number the slower middle one), after one warm-up call, of one configuration."""
     device = str(target.device)
     runs = []
     for attempt in range(repeats + 1):
@@ -68,8 +70,7 @@ def measure(target, drafter_model, prompts, pipeline: int, k: int, new_tokens: i
                              draft_ms=1000 * stats.draft_time_s / stats.steps,
                              verify_ms=1000 * stats.verify_time_s / stats.steps, steps=stats.steps,
                              tau=stats.tau, sequences=out.sequences))
-    middle = sorted(runs, key=lambda r: r["cycle_ms"])[len(runs) // 2]
-    return middle
+    return sorted(runs, key=lambda r: r["cycle_ms"])[len(runs) // 2]
 
 
 def run(batch_sizes=(16, 64), k: int = 4, new_tokens: int = 64, prompt_tokens: int = 128, repeats: int = 3,
@@ -77,11 +78,11 @@ def run(batch_sizes=(16, 64), k: int = 4, new_tokens: int = 64, prompt_tokens: i
     """pairs: name -> (target, drafter) Llama config fields (default PAIRS; tiny ones for a smoke
     run on the CPU, device "cpu")."""
     rows, targets = [], []
-    for name, (target_shape, drafter_shape) in (pairs or PAIRS).items():
+    pairs = pairs or PAIRS
+    for name, (target_shape, drafter_shape) in pairs.items():
         _run_pair(name, target_shape, drafter_shape, batch_sizes, k, new_tokens, prompt_tokens, repeats, log, device,
                   rows, targets)
-        torch.cuda.empty_cache() if device.startswith("cuda") else None
-    return dict(settings=dict(pairs={name: dict(target=t, drafter=d) for name, (t, d) in (pairs or PAIRS).items()},
+    return dict(settings=dict(pairs={name: dict(target=t, drafter=d) for name, (t, d) in pairs.items()},
                               k=k, new_tokens=new_tokens, prompt_tokens=prompt_tokens, repeats=repeats,
                               batch_sizes=list(batch_sizes)), rows=rows, targets=targets)
 
@@ -110,11 +111,13 @@ def _run_pair(name, target_shape, drafter_shape, batch_sizes, k, new_tokens, pro
                 rows.append(row)
                 log(f"pipeline {name}, {placement:<10} batch {batch:>3} x{pipeline}: cycle {row['cycle_ms']:.2f} ms "
                     f"(draft {sequential['draft_ms']:.2f} / verify {sequential['verify_ms']:.2f} ms in sequence: "
-                    f"{row['over_ideal']:.2f}x their max), identical {row['identical']}, agreement {row['agreement']:.3f}")
+                    f"{row['over_ideal']:.2f}x their max), identical {row['identical']}, "
+                    f"agreement {row['agreement']:.3f}")
             if placement == "second GPU":
                 ratio = pipelined["cycle_ms"] / ideal
-                targets.append(dict(target=f"{name}, batch {batch}: pipelined cycle <= {TARGET_RATIO}x max(draft, verify), "
-                                    "drafter on a second GPU", value=round(ratio, 3), met=bool(ratio <= TARGET_RATIO)))
+                targets.append(dict(target=f"{name}, batch {batch}: pipelined cycle <= {TARGET_RATIO}x "
+                                    "max(draft, verify), drafter on a second GPU", value=round(ratio, 3),
+                                    met=bool(ratio <= TARGET_RATIO)))
         del drafter_model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -122,3 +125,5 @@ def _run_pair(name, target_shape, drafter_shape, batch_sizes, k, new_tokens, pro
         targets.append(dict(target=f"{name}: pipelining with the drafter on a second GPU", value="not measured",
                             met=False, detail="one GPU seen: run on a machine with two"))
     del target
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
