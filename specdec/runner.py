@@ -28,7 +28,9 @@ from .transfer import to_device
 
 from .attention import ATTENTION_NAME, BACKENDS, window_covers_tree
 from .attention_metadata import METADATA_KWARG, AttentionMetadata
+from . import fusion
 from .cache import KVCache
+from .fusion import MergedProjections
 from .hidden_states import HiddenStateTap
 
 
@@ -407,6 +409,10 @@ class ModelRunner:
         self.max_position_id = getattr(text_config, "max_position_embeddings", None)
         self.max_rows = max_rows
         self.attention = attention
+        # q/k/v and gate/up as one product each where the fast backend runs (fusion.py); before the
+        # fingerprint: merging gives the parameters new storage
+        merge = fusion.MERGE is True or (fusion.MERGE == "fast" and attention == "fast")
+        self.merged = MergedProjections(model) if merge else None
         self.weights_fingerprint = weights_fingerprint(model)
         self.cache = KVCache(self.num_layers, max_rows + 1, max_len)  # + a scratch row for graph filler
         self.backend = BACKENDS[attention]
@@ -502,8 +508,9 @@ class ModelRunner:
         if self.split and decoder is not self.model:
             hook = decoder.register_forward_hook(_hidden_states_to(self.keep_device))
         tap = self.tap if self.tap is not None else contextlib.nullcontext()
+        merged = self.merged.installed() if self.merged else contextlib.nullcontext()
         try:
-            with tap:
+            with tap, merged:
                 yield self
         finally:
             if hook is not None:

@@ -1,5 +1,8 @@
 """Bandwidth efficiency: plain decoding step time of random-weight Llama shapes (about 1B and 8B
-parameters) against the hardware's floor, and where a step's time goes.
+parameters) against the hardware's floor, and where a step's time goes: each mode's forward and
+host milliseconds, a kernel breakdown, and the compiled step without the changes that bring it
+nearer the floor (``ABLATIONS``: merged projections, split-KV attention with one combine and one
+cache-write kernel), so that each change's gain is measured in the same run.
 
 Invariant: the floor is (weight bytes + KV bytes read per step) / copy bandwidth, with the copy
 bandwidth measured in the same run (device-to-device copy of 2 GiB: it reads and writes, so
@@ -11,11 +14,12 @@ fine: only time is measured.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
-from .. import generate
+from .. import cache, fusion, generate
 from ..policies import FixedPolicy
 from ..runner import runners_of
 from . import peers
@@ -36,6 +40,13 @@ MODES = {  # name -> generate() options
     "specdec CUDA graphs + compile": {"attention": "fast", "cuda_graphs": True, "compile": True},
 }
 HF_STATIC = "HF static cache + torch.compile"
+# the compiled step with some of the changes undone, applied as module settings for the mode's calls (a
+# runner of its own): name -> (generate() options, settings for ``_settings``)
+ABLATIONS = {
+    "graphs + compile, no merging, old attention": (MODES["specdec CUDA graphs + compile"],
+                                                     dict(merge=False, attention=False)),
+    "graphs + compile, old attention": (MODES["specdec CUDA graphs + compile"], dict(attention=False)),
+}
 
 
 def copy_bandwidth(size_bytes: int = 2 * 1024**3, repeats: int = 20) -> float:
@@ -169,6 +180,29 @@ def _describe(row: dict) -> str:
             f"floor {row['floor_ms']:.2f} ms ({row['fraction_of_floor']:.0%})")
 
 
+@contextlib.contextmanager
+def _settings(merge: bool = True, attention: bool = True):
+    """merge: q/k/v and gate/up merged (fusion.MERGE); attention: split-KV shares at short
+    contexts (triton_attention.MIN_SHARE) and the one-kernel cache write (cache.FUSED_STORE).
+    False runs the runner as it was before each. Restored on exit."""
+    from .. import triton_attention
+
+    saved = fusion.MERGE, triton_attention.MIN_SHARE, cache.FUSED_STORE
+    fusion.MERGE = saved[0] if merge else False
+    triton_attention.MIN_SHARE = saved[1] if attention else 512
+    cache.FUSED_STORE = saved[2] and attention
+    try:
+        yield
+    finally:
+        fusion.MERGE, triton_attention.MIN_SHARE, cache.FUSED_STORE = saved
+
+
+def _release_runners(model) -> None:
+    for runner in runners_of(model).values():
+        runner.release()
+    runners_of(model).clear()
+
+
 def _specdec_step_seconds(model, prompts, new_tokens: int, options: dict) -> float:
     """Decode wall time per step of plain decoding through generate(), after a warm-up call."""
     for _ in range(2):  # the first call sizes the cache, compiles and captures
@@ -176,42 +210,47 @@ def _specdec_step_seconds(model, prompts, new_tokens: int, options: dict) -> flo
     return (out.stats.wall_time_s - out.stats.prefill_time_s) / out.stats.steps
 
 
-def _measure_shape(shape: str, batch_sizes, context: int, new_tokens: int, modes, hf_static: bool,
+def _measure_shape(shape: str, batch_sizes, context: int, new_tokens: int, modes, hf_static: bool, ablations: bool,
                    bandwidth: float, log) -> tuple[list[dict], dict]:
     model = random_llama(shape)
     rows, breakdowns = [], {}
     for batch in batch_sizes:
         prompts = [[(7 * i + j) % 1000 for j in range(context)] for i in range(batch)]
         floor = floor_seconds(model, batch, context + new_tokens // 2, bandwidth)
-        measurements = [(mode, MODES[mode]) for mode in modes] + ([(HF_STATIC, None)] if hf_static and batch == 1 else [])
-        for mode, options in measurements:
+        measurements = ([(mode, MODES[mode], {}) for mode in modes]
+                        + ([(name, *ABLATIONS[name]) for name in ABLATIONS] if ablations else [])
+                        + ([(HF_STATIC, None, {})] if hf_static and batch == 1 else []))
+        for mode, options, settings in measurements:
             try:
                 if options is None:
                     row = _row(shape, model, batch, mode, hf_static_step_seconds(model, context, new_tokens), floor, None)
                 else:
-                    step = _specdec_step_seconds(model, prompts, new_tokens, options)
-                    graphed = options.get("cuda_graphs", False)
-                    row = _row(shape, model, batch, mode, step, floor, replay_seconds(model, batch) if graphed else None)
-                    if graphed and batch == batch_sizes[0]:
-                        breakdowns[f"{shape} {mode}"] = kernel_breakdown(model)
+                    _release_runners(model)  # each mode on a runner of its own (settings apply at its build)
+                    with _settings(**settings):
+                        step = _specdec_step_seconds(model, prompts, new_tokens, options)
+                        graphed = options.get("cuda_graphs", False)
+                        replay = replay_seconds(model, batch) if graphed else None
+                        row = _row(shape, model, batch, mode, step, floor, replay)
+                        if graphed and batch == batch_sizes[0]:
+                            breakdowns[f"{shape} {mode}"] = kernel_breakdown(model)
             except Exception as error:  # noqa: BLE001 - reported in the results, and the run goes on
                 row = {"shape": shape, "batch": batch, "mode": mode, "error": f"{type(error).__name__}: {error}"[:500]}
             rows.append(row)
             log(_describe(row))
-    for runner in runners_of(model).values():
-        runner.release()
-    runners_of(model).clear()
+    _release_runners(model)
     return rows, breakdowns
 
 
-def run(shapes=("llama-1B", "llama-8B"), batch_sizes=(1,), context: int = 512, new_tokens: int = 64,
-        modes=tuple(MODES), hf_static: bool = True, log=print) -> dict:
+def run(shapes=("llama-1B", "llama-8B"), batch_sizes=(1, 16), context: int = 512, new_tokens: int = 64,
+        modes=tuple(MODES), hf_static: bool = True, ablations: bool = True, log=print) -> dict:
+    """Every shape at every batch size in every mode (and the ablations, the 8B shape only), HF's
+    static cache at batch 1 -> the part's JSON."""
     bandwidth = copy_bandwidth()
     log(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows, breakdowns = [], {}
     for shape in shapes:
         shape_rows, shape_breakdowns = _measure_shape(shape, batch_sizes, context, new_tokens, modes, hf_static,
-                                                      bandwidth, log)
+                                                      ablations and shape == "llama-8B", bandwidth, log)
         rows += shape_rows
         breakdowns.update(shape_breakdowns)
         torch.cuda.empty_cache()

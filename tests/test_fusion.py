@@ -1,0 +1,157 @@
+"""Merged projections (fusion.py): a runner of a model whose q/k/v and gate/up projections are
+merged gives the same logits and the same greedy tokens as the unmerged model (float32 on the
+CPU: tokens exact, logits to float32 rounding), leaves the model computing as before outside
+the runner, follows in-place weight updates, and refuses a group whose parts read different
+inputs."""
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import fusion, generate
+from specdec.fusion import MergedProjections
+from specdec.policies import FixedPolicy
+from specdec.runner import ModelRunner, PackedLayout, runners_of
+from tests.tiny import make_model, perturbed_copy
+
+
+@pytest.fixture
+def merge_everywhere(monkeypatch):
+    monkeypatch.setattr(fusion, "MERGE", True)
+
+
+def hf_greedy(model, prompt, new_tokens):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def packed_logits(model, merge, monkeypatch):
+    monkeypatch.setattr(fusion, "MERGE", merge)
+    runner = ModelRunner(model, max_rows=3, max_len=32)
+    layout = PackedLayout(rows=np.array([0, 2]), starts=np.array([0, 0]), counts=np.array([5, 3]))
+    ids = torch.tensor([3, 9, 4, 1, 7, 11, 2, 5])
+    with runner.attached():
+        logits = runner.forward(ids, layout)  # [8, V]
+    return runner, logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_merged_runner_gives_the_unmerged_logits(arch, monkeypatch):
+    model = make_model(arch, dtype=torch.float32)
+    _, unmerged = packed_logits(model, False, monkeypatch)
+    runner, merged = packed_logits(model, True, monkeypatch)
+    assert len(runner.merged) == 2 * model.config.num_hidden_layers  # q/k/v and gate/up of every layer
+    torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
+    assert torch.equal(merged.argmax(-1), unmerged.argmax(-1))
+
+
+def test_parameters_become_views_of_one_tensor_per_group():
+    model = make_model("llama", dtype=torch.float32)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    merged = MergedProjections(model)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+    attention = model.model.layers[0].self_attn
+    q, k, v = attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert k.storage_offset() == q.numel() and v.storage_offset() == q.numel() + k.numel()
+    group = merged.groups[0]
+    assert group.weight.shape == (q.shape[0] + k.shape[0] + v.shape[0], q.shape[1])
+    # a second merge (a later runner) finds them laid out and reuses the storage
+    again = MergedProjections(model)
+    assert again.groups[0].weight.data_ptr() == group.weight.data_ptr()
+    assert attention.q_proj.weight.data_ptr() == q.data_ptr()
+
+
+def test_greedy_output_is_the_models_own_and_the_model_is_untouched_outside(merge_everywhere):
+    model = make_model("llama", dtype=torch.float32)
+    prompts = [[5, 17, 3, 22, 9], [40, 2]]
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    with torch.no_grad():
+        before = model(torch.tensor([prompts[0]])).logits
+    out = generate(model, prompts, max_new_tokens=12, eos_token_id=[])
+    assert out.sequences == expected
+    assert runners_of(model)["target"].merged  # the runner did merge
+    assert type(model.model.layers[1].mlp.up_proj) is torch.nn.Linear  # the model's own modules are back
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([prompts[0]])).logits, before)
+    assert [hf_greedy(model, p, 12) for p in prompts] == expected
+
+
+def test_speculative_output_with_merged_target_and_drafter(merge_everywhere):
+    from specdec.drafters import ModelDrafter
+
+    model = make_model("qwen2", dtype=torch.float32)
+    drafter = perturbed_copy(model, 0.02)
+    prompts = [[5, 17, 3, 22, 9], [40, 2], [7]]
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    out = generate(model, prompts, drafter=ModelDrafter(drafter), policy=FixedPolicy(3), max_new_tokens=16,
+                   eos_token_id=[])
+    assert out.sequences == expected
+    assert out.stats.acceptance_rate > 0  # the drafts were used, not just the target's own tokens
+
+
+def test_in_place_weight_updates_reach_the_merged_product(merge_everywhere):
+    model = make_model("llama", dtype=torch.float32)
+    other = make_model("llama", dtype=torch.float32, seed=5)
+    prompt = [5, 17, 3, 22, 9]
+    generate(model, [prompt], max_new_tokens=4, eos_token_id=[])  # runner built, weights merged
+    model.load_state_dict(other.state_dict())  # copies into the (now merged) parameters
+    out = generate(model, [prompt], max_new_tokens=12, eos_token_id=[])
+    assert out.sequences[0] == hf_greedy(other, prompt, 12)
+
+
+class TwoInputs(torch.nn.Module):
+    """q/k/v called on different inputs (as a cross-attention would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, y):
+        return self.q_proj(x) + self.k_proj(y) + self.v_proj(y)
+
+
+def test_parts_called_on_different_inputs_raise():
+    module = TwoInputs()
+    merged = MergedProjections(module)
+    assert len(merged) == 1
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    expected = module(x, y)
+    with merged.installed(), pytest.raises(RuntimeError, match="different inputs"):
+        module(x, y)
+    assert torch.equal(module(x, y), expected)  # restored, and its parameters still work unmerged
+
+
+def test_unmergeable_groups_are_left_alone():
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = torch.nn.Linear(8, 8), torch.nn.Linear(6, 8), torch.nn.Linear(8, 8)
+            self.gate_proj, self.up_proj = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4, bias=False)
+
+    module = Mixed()
+    pointers = [p.data_ptr() for p in module.parameters()]
+    assert len(MergedProjections(module)) == 0  # input sizes differ; biases differ
+    assert [p.data_ptr() for p in module.parameters()] == pointers
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_merged_graphs_give_the_unmerged_tokens_on_a_gpu(compile, monkeypatch):
+    model = make_model("llama", dtype=torch.float32, device="cuda", hidden=64)
+    prompts = [[5, 17, 3, 22, 9], [40, 2], [7, 8, 9]]
+    options = dict(max_new_tokens=16, eos_token_id=[], cuda_graphs=True, compile=compile)
+    monkeypatch.setattr(fusion, "MERGE", False)
+    plain = generate(model, prompts, **options).sequences
+    for runner in runners_of(model).values():
+        runner.release()
+    runners_of(model).clear()
+    monkeypatch.setattr(fusion, "MERGE", "fast")
+    out = generate(model, prompts, **options)
+    assert runners_of(model)["target"].merged
+    assert out.sequences == plain
+    assert out.sequences == [hf_greedy(model, p, 16) for p in prompts]
