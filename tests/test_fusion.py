@@ -155,3 +155,15 @@ def test_merged_graphs_give_the_unmerged_tokens_on_a_gpu(compile, monkeypatch):
     assert runners_of(model)["target"].merged
     assert out.sequences == plain
     assert out.sequences == [hf_greedy(model, p, 16) for p in prompts]
+
+
+def test_a_merged_model_saves_and_loads_as_before(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = make_model("qwen2", dtype=torch.float32)
+    expected = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    MergedProjections(model)
+    model.save_pretrained(tmp_path)  # parameters that are views of one tensor: still saved one by one
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[name], value) for name, value in expected.items())
