@@ -16,11 +16,22 @@ import numpy as np
 import torch
 
 
+FUSED_STORE = True  # caches on a GPU: one Triton kernel writes keys and values (triton_cache); False: two index_put
+
+
 def store(key_cache: torch.Tensor, value_cache: torch.Tensor, token_rows: torch.Tensor, token_positions: torch.Tensor,
           keys: torch.Tensor, values: torch.Tensor) -> None:
     """Write keys and values [kv_heads, N, head_dim] into one layer's caches [rows, kv_heads,
-    max_len, head_dim] at (token_rows[n], token_positions[n])."""
-    key_cache[token_rows, :, token_positions] = keys.transpose(0, 1)
+    max_len, head_dim] at (token_rows[n], token_positions[n]). On a GPU one Triton kernel writes
+    both (``FUSED_STORE``); on the CPU, and while torch.compile traces (it fuses the writes
+    itself), two index_put writes. Both write the same values; Triton is imported only for the GPU."""
+    if FUSED_STORE and key_cache.is_cuda and not torch.compiler.is_compiling():
+        from .triton_cache import fits, store_kv
+
+        if fits(key_cache, value_cache, token_rows, token_positions, keys, values):
+            store_kv(key_cache, value_cache, token_rows, token_positions, keys, values)
+            return
+    key_cache[token_rows, :, token_positions] = keys.transpose(0, 1)  # [N, kv_heads, head_dim]
     value_cache[token_rows, :, token_positions] = values.transpose(0, 1)
 
 

@@ -11,11 +11,16 @@ One program per (group, KV head, block of query rows, share of the keys); a bloc
 are the group's tokens times the query heads that share the KV head (grouped-query attention),
 so decode steps with one to a few tokens per row still fill a matrix-unit tile. With few rows,
 each row's keys are read in ``kv_splits`` shares by as many programs (flash-decoding; key
-block b goes to share b mod kv_splits), whose partial results ``combine_shares`` merges. A
-runner uses one count for every pass (``split_count``), and the blocks' assignment does not
-depend on the pass's other queries, so a query's output is the same bitwise whether it is
-decoded alone or verified in a group, and in every graph bucket. Online softmax in
-float32; float32 inputs use IEEE products (no TF32), so greedy decoding stays exact.
+block b goes to share b mod kv_splits), whose partial results ``_combine_kernel`` merges, one
+program per (token, query head), summing the shares in share order. A runner uses one count for
+every pass (``split_count``), the blocks' assignment does not depend on the pass's other
+queries, and an entry's combine reads its own shares only, so a query's output is the same
+bitwise whether it is decoded alone or verified in a group, and in every graph bucket. Online
+softmax in float32; float32 inputs use IEEE products (no TF32), so greedy decoding stays exact.
+
+Cost of a split pass: three kernels (a memset of the shares' maxima and sums, the attention, the
+combine); an unsplit pass: two (the output's zeros, the attention). Neither synchronises with the
+host, so both run inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ def _packed_attention_kernel(
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_d[None, :])
-        else:  # this share's unnormalised output, running max and sum, combined by combine_shares()
+        else:  # this share's unnormalised output, running max and sum, combined by _combine_kernel
             entry = split * stride_p_split + token * stride_p_token + head * stride_p_head  # [M] (share, token, head)
             tl.store(part_out_ptr + entry[:, None] * BLOCK_D + offs_d[None, :], acc,
                      mask=valid_m[:, None] & valid_d[None, :])
@@ -168,17 +173,14 @@ def packed_attention(
     heads_per_kv = num_heads // num_kv_heads
     if query.stride(-1) != 1:
         query = query.contiguous()
-    # zeros: graph filler slots beyond a group's processed rows stay finite
-    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     rows_per_group = max_group_tokens * heads_per_kv
     block_m = 16 if rows_per_group <= 16 else (32 if rows_per_group <= 32 else 64)
     block_d = max(16, triton.next_power_of_2(head_dim))
     splits = kv_splits if num_tokens * num_heads * block_d * 4 * kv_splits <= SPLIT_BUFFER_BYTES else 1
-    if splits > 1:  # each share's unnormalised output, and its running max and sum
-        part_out = torch.zeros(splits, num_tokens, num_heads, block_d, dtype=torch.float32, device=query.device)
-        part_ml = torch.zeros(splits, num_tokens, num_heads, 2, dtype=torch.float32, device=query.device)
-        part_ml[..., 0] = float("-inf")
-    else:
+    if splits > 1:
+        out, part_out, part_ml = _split_buffers(splits, num_tokens, num_heads, head_dim, block_d, query)
+    else:  # zeros: graph filler slots beyond a group's processed rows stay finite
+        out = torch.zeros(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
         part_out = part_ml = out  # unused
     grid = (group_rows.shape[0], num_kv_heads, triton.cdiv(rows_per_group, block_m) * splits)
     _packed_attention_kernel[grid](
@@ -201,23 +203,69 @@ def packed_attention(
         num_warps=4,
     )
     if splits > 1:
-        out.copy_(combine_shares(part_out[..., :head_dim], part_ml))
+        combine_shares(part_out, part_ml, out)
     return out
 
 
 SPLIT_BUFFER_BYTES = 256 * 1024**2  # a pass whose shares would need more (a long prefill) runs unsplit
-MIN_SHARE = 512  # keys a share should have at least, in a row of the cache's full length
+MIN_SHARE = 128  # keys a share should have at least, in a row of the cache's full length (read by split_count)
 
 
-def combine_shares(part_out: torch.Tensor, part_ml: torch.Tensor) -> torch.Tensor:
-    """part_out [S, N, H, D] unnormalised outputs and part_ml [S, N, H, 2] running max and sum of
-    S shares of each row's keys -> the attention output [N, H, D] (float32). A share that saw no
-    key has max -inf and sum 0; a query no share processed (graph filler) gets zeros."""
-    maxima, sums = part_ml[..., 0], part_ml[..., 1]  # [S, N, H]
-    top = maxima.amax(dim=0)  # [N, H]
-    weights = torch.exp(maxima - torch.where(torch.isinf(top), 0.0, top))  # [S, N, H]; -inf -> 0
-    total = (weights * sums).sum(dim=0)  # [N, H]
-    return (weights[..., None] * part_out).sum(dim=0) / torch.where(total == 0, 1.0, total)[..., None]
+def _split_buffers(splits: int, num_tokens: int, num_heads: int, head_dim: int, block_d: int,
+                   query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output and the shares' buffers of a split pass. Only the maxima and sums start
+    initialised (zeros, one memset): every program of a group writes its share of each of its
+    query rows, a sum of 0 marking a share that saw no key, so a token in no group (graph filler)
+    keeps sum 0 in every share, and the combine writes every entry of the output."""
+    device = query.device
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=device)  # [N, H, D]
+    part_out = torch.empty(splits, num_tokens, num_heads, block_d, dtype=torch.float32, device=device)  # [S, N, H, Dp]
+    part_ml = torch.zeros(splits, num_tokens, num_heads, 2, dtype=torch.float32, device=device)  # [S, N, H, 2]
+    return out, part_out, part_ml
+
+
+# the number of entries scales with the pass's token count: not specialised (see _packed_attention_kernel)
+@triton.jit(do_not_specialize=["num_entries"])
+def _combine_kernel(part_out_ptr, part_ml_ptr, out_ptr, num_entries,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    """One entry (token, query head): its SPLITS shares' unnormalised outputs [Dp], running maxima
+    and sums, summed in share order (float32) into the normalised output, stored in out's dtype. A
+    share whose sum is 0 saw no key (or was never written) and adds nothing: its output is not
+    read. An entry no share saw gets zeros."""
+    entry = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid_d = offs_d < HEAD_DIM
+    top = tl.full([], float("-inf"), tl.float32)  # the largest maximum among shares that saw a key
+    for split in tl.static_range(SPLITS):
+        share = split * num_entries + entry
+        maximum, total = tl.load(part_ml_ptr + 2 * share), tl.load(part_ml_ptr + 2 * share + 1)
+        top = tl.where(total > 0.0, tl.maximum(top, maximum), top)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no share saw a key: every weight is 0 below
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    denominator = tl.zeros([], dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        share = split * num_entries + entry
+        maximum, total = tl.load(part_ml_ptr + 2 * share), tl.load(part_ml_ptr + 2 * share + 1)
+        seen = total > 0.0
+        weight = tl.where(seen, tl.exp(maximum - top), 0.0)  # 1 for the top share
+        seen_d = tl.zeros([BLOCK_D], dtype=tl.float32) + total > 0.0  # [Dp] (Triton's interpreter mis-splats a scalar)
+        partial = tl.load(part_out_ptr + share * BLOCK_D + offs_d, mask=valid_d & seen_d, other=0.0)  # [Dp]
+        acc += weight * partial
+        denominator += weight * total
+    out = acc / tl.where(denominator == 0.0, 1.0, denominator)
+    tl.store(out_ptr + entry * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=valid_d)
+
+
+def combine_shares(part_out: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor) -> None:
+    """part_out [S, N, H, Dp] unnormalised outputs and part_ml [S, N, H, 2] running max and sum of
+    S shares of each row's keys -> out [N, H, D] (contiguous, any float dtype), every entry
+    written. Cost: one kernel, one program per (token, head), reading S * (Dp + 2) floats each."""
+    splits, num_tokens, num_heads, block_d = part_out.shape
+    num_entries = num_tokens * num_heads
+    if num_entries == 0:
+        return
+    _combine_kernel[(num_entries,)](part_out, part_ml, out, num_entries, HEAD_DIM=out.shape[-1], BLOCK_D=block_d,
+                                    SPLITS=splits, num_warps=max(1, min(4, block_d // 128)))
 
 
 def split_count(max_rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -240,21 +288,26 @@ _compiled: set[tuple] = set()  # the shapes compile_variants has run for in this
 def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_len: int, kv_splits: int,
                      dtype: torch.dtype, device: torch.device) -> None:
     """Compile the kernel's variants a causal pass of a runner of this shape may take (one per
-    block of query rows: 16, 32 or 64, by the pass's largest group), now rather than on first
-    sight, which costs about half a second: in a serving engine, a row that catches up a few
-    tokens after idle steps would otherwise stall every request in flight. Runs each on one
-    scratch group (a cache row of zeros of the runner's length, so the strides are the runner's);
-    once per shape and process."""
+    block of query rows: 16, 32 or 64, by the pass's largest group; with the combine when it
+    splits), and the cache write's (triton_cache), now rather than on first sight, which costs
+    about half a second: in a serving engine, a row that catches up a few tokens after idle steps
+    would otherwise stall every request in flight. Runs each on one scratch group (a cache row of
+    zeros of the runner's length, so the strides are the runner's); once per shape and process."""
     key = (num_heads, num_kv_heads, head_dim, max_len, kv_splits, dtype, str(device))
     if key in _compiled:
         return
+    from .triton_cache import store_kv
+
     heads_per_kv = num_heads // num_kv_heads
     cache = torch.zeros(1, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # [1, Hkv, L, D]
     for tokens in sorted({min(1 + rows // heads_per_kv, max_len) for rows in (0, 16, 32)}):
         # laid out as a model's attention hands it over: [1, N, H, D] projected, viewed as [1, H, N, D]
         query = torch.zeros(1, tokens, num_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)[0].transpose(0, 1)
         index = torch.zeros(1, dtype=torch.int64, device=device)
-        packed_attention(query, cache, cache, torch.arange(tokens, device=device), index, index,
+        positions = torch.arange(tokens, device=device)
+        new_keys = query[:, :num_kv_heads].transpose(0, 1)  # [Hkv, N, D], strided as a model's keys
+        store_kv(cache, cache, torch.zeros_like(positions), positions, new_keys, new_keys)
+        packed_attention(query, cache, cache, positions, index, index,
                          torch.full((1,), tokens, dtype=torch.int64, device=device), tokens, 1.0, None,
                          kv_splits=kv_splits)
     _compiled.add(key)

@@ -65,14 +65,17 @@ def test_fast_equals_reference(dtype, tolerance, heads, kv_heads, head_dim, kind
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kv_splits", [2, 8])
+@pytest.mark.parametrize("kv_splits", [2, 4, 8])
 @pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_split_kv_shares_equal_reference(kind, kv_splits):
-    """Split-KV (flash-decoding) shares, combined, give the reference's output."""
+@pytest.mark.parametrize("longest_start", [3000, 200], ids=["long rows", "rows shorter than the shares"])
+def test_split_kv_shares_equal_reference_and_the_unsplit_kernel(kind, kv_splits, longest_start):
+    """Split-KV (flash-decoding) shares, merged by the combine kernel, give the reference's output
+    and the unsplit kernel's, rows shorter than kv_splits key blocks included (shares that see no
+    key)."""
     rng = np.random.default_rng(kv_splits)
     counts = LAYOUTS[kind](rng).astype(np.int64)
     rows = np.arange(len(counts))
-    starts = rng.integers(0, 3000, size=len(counts))
+    starts = rng.integers(0, longest_start, size=len(counts))
     layout = PackedLayout(rows=rows, starts=starts, counts=counts)
     max_len = int((starts + counts).max()) + 5
     generator = torch.Generator(device="cuda").manual_seed(kv_splits)
@@ -81,13 +84,32 @@ def test_split_kv_shares_equal_reference(kind, kv_splits):
     n = layout.num_tokens
     query, key, value = randn(1, 8, n, 64), randn(1, 2, n, 64), randn(1, 2, n, 64)
     outputs = []
-    for backend, splits in ((reference_attention, 1), (fast_attention, kv_splits)):
+    for backend, splits in ((reference_attention, 1), (fast_attention, kv_splits), (fast_attention, 1)):
         cache = KVCache(1, len(counts), max_len)
         cache.keys[0], cache.values[0] = history[0].clone(), history[1].clone()
         meta = packed_metadata(layout, cache, query.device, backend, kv_splits=splits)
         outputs.append(backend(types.SimpleNamespace(layer_idx=0), query, key, value, meta, 64 ** -0.5, None))
-    error = (outputs[1] - outputs[0]).norm() / outputs[0].norm()
-    assert torch.isfinite(outputs[1]).all() and error < 2e-5
+    expected, split, unsplit = outputs
+    assert torch.isfinite(split).all()
+    assert (split - expected).norm() / expected.norm() < 2e-5
+    assert (split - unsplit).norm() / unsplit.norm() < 2e-5
+
+
+@pytest.mark.cuda
+def test_split_count_splits_short_contexts_down_to_min_share(monkeypatch):
+    """One row of 8 KV heads over a 512-key cache: shares of MIN_SHARE = 128 keys (4 on a GPU of at
+    least 16 processors); with MIN_SHARE = 512 it runs unsplit. Always a power of two."""
+    from specdec import triton_attention
+
+    device = torch.device("cuda")
+    processors = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = triton_attention.split_count(1, 8, 512, device)
+    assert splits & (splits - 1) == 0
+    if processors >= 16:
+        assert splits == 4
+    assert triton_attention.split_count(1, 8, 100_000, device) * 8 <= 2 * processors
+    monkeypatch.setattr(triton_attention, "MIN_SHARE", 512)
+    assert triton_attention.split_count(1, 8, 512, device) == 1
 
 
 @pytest.mark.cuda
@@ -121,25 +143,32 @@ def test_fast_backend_refuses_cpu():
 
 
 def _compiled_kernel_variants() -> int | None:
-    """How many variants of the fast attention kernel this process has compiled (None where this
-    Triton keeps them where we do not look)."""
-    from specdec.triton_attention import _packed_attention_kernel
+    """How many variants of the fast attention's kernels (attention, combine, cache write) this
+    process has compiled (None where this Triton keeps them where we do not look)."""
+    from specdec.triton_attention import _combine_kernel, _packed_attention_kernel
+    from specdec.triton_cache import _store_kernel
 
-    caches = getattr(_packed_attention_kernel, "device_caches", None)
-    if not isinstance(caches, dict):
-        return None
-    return sum(len(entry[0]) for entry in caches.values())
+    total = 0
+    for kernel in (_packed_attention_kernel, _combine_kernel, _store_kernel):
+        caches = getattr(kernel, "device_caches", None)
+        if not isinstance(caches, dict):
+            return None
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
 
 
 @pytest.mark.cuda
-def test_eager_passes_compile_no_kernel_once_the_runner_is_built():
-    """A runner compiles the kernel's variants when built: an eager pass of any group size or
+@pytest.mark.parametrize("max_len", [96, 512], ids=["unsplit", "split"])
+def test_eager_passes_compile_no_kernel_once_the_runner_is_built(max_len):
+    """A runner compiles the kernels' variants when built: an eager pass of any group size or
     token parity afterwards (a catch-up of a few tokens, a prefill of an odd count) compiles
     nothing, so a serving engine does not stall half a second on first sight of one."""
     from specdec.runner import ModelRunner
 
-    target = make_model("llama", dtype=torch.bfloat16, device="cuda")
-    runner = ModelRunner(target, max_rows=4, max_len=96, attention="fast")
+    target = make_model("llama", dtype=torch.bfloat16, device="cuda", max_positions=max_len)
+    runner = ModelRunner(target, max_rows=4, max_len=max_len, attention="fast")
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 16:  # 8 programs: split over 4 at 512 keys
+        assert (runner.kv_splits > 1) == (max_len == 512)
     before = _compiled_kernel_variants()
     if before is None:
         pytest.skip("this Triton keeps its compiled kernels elsewhere")

@@ -1,6 +1,7 @@
 """CUDA graphs: output identical to Hugging Face greedy decoding, no capture after the warm-up,
 and at most one host synchronisation per decoding step."""
 
+import itertools
 import warnings
 
 import numpy as np
@@ -165,21 +166,29 @@ def test_compiled_graphs_give_the_target_greedy_output_and_never_recompile():
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_a_pass_gives_bitwise_the_same_logits_in_every_bucket(compile):
+@pytest.mark.parametrize("min_share", [512, 128], ids=["unsplit", "split"])
+def test_a_pass_gives_bitwise_the_same_logits_in_every_bucket(compile, min_share, monkeypatch):
     """The invariant that keeps bf16 verification lossless: one pass replayed in each bucket that
     holds it gives bitwise the same logits, compiled too (on an H200 the largest bucket's own
-    compiled variant changed 3.7% of them and broke near-ties: graphs.py's docstring)."""
+    compiled variant changed 3.7% of them and broke near-ties: graphs.py's docstring), with the
+    keys read whole or in split-KV shares (a larger bucket has filler tokens in no group)."""
+    from specdec import triton_attention
     from specdec.runner import runner_for
 
-    model = make_model("llama", vocab_size=512, hidden=128, dtype=torch.bfloat16, device="cuda", seed=3)
-    runner = runner_for(model, role="target", max_rows=16, max_len=64, attention="fast", graph_shape=(9, 300),
+    monkeypatch.setattr(triton_attention, "MIN_SHARE", min_share)  # 512 keys: unsplit at 512, split at 128
+    model = make_model("llama", vocab_size=512, hidden=128, dtype=torch.bfloat16, device="cuda", seed=3,
+                       max_positions=512)
+    runner = runner_for(model, role="target", max_rows=16, max_len=512, attention="fast", graph_shape=(9, 300),
                         compile=compile)
     graphs = runner.graphs
     assert (graphs.buckets[0] == 2) == compile  # compiled: no size-1 bucket
-    for rows, tokens_per_row in ((1, 1), (1, 7), (16, 7), (16, 9)):
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 64:  # 32 programs: at least 2 shares
+        assert (runner.kv_splits > 1) == (min_share == 128)
+    # rows of one key block (the other shares see no key) and of five (every share sees some)
+    for start, rows, tokens_per_row in itertools.product((40, 300), (1, 16), (1, 7, 9)):
         counts = np.full(rows, tokens_per_row, dtype=np.int64)
         num_tokens = int(counts.sum())
-        starts = np.full(rows, 40, dtype=np.int64)
+        starts = np.full(rows, start, dtype=np.int64)
         generator = torch.Generator().manual_seed(rows * 10 + tokens_per_row)
         input_ids = torch.randint(0, 512, (num_tokens,), generator=generator).cuda()
         replayed = {}

@@ -150,26 +150,48 @@ def test_fast_sparse_with_a_model_window_or_tree_masks_equals_reference(with_tre
     assert torch.isfinite(results[1]).all() and error < 2e-5
 
 
+def poison_allocator(*tensors_like: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """Fill tensors of these shapes and dtypes with NaN and free them: the caching allocator hands
+    their blocks to the next allocations of those sizes, which torch.empty leaves as they are."""
+    poisoned = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape, dtype in tensors_like]
+    del poisoned
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("kv_splits", [1, 4])
+@pytest.mark.parametrize("kv_splits", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_a_query_alone_and_in_a_verify_group_gets_the_same_output_bitwise(dtype, kv_splits):
-    """Split-KV shares are assigned by absolute key block, so a query's sum does not depend on the
-    other queries of its pass: decoding a token and verifying it inside a group agree bitwise."""
+@pytest.mark.parametrize("row_start", [None, 100], ids=["long row", "row shorter than the shares"])
+def test_a_query_alone_and_in_a_verify_group_gets_the_same_output_bitwise(dtype, kv_splits, row_start):
+    """Split-KV shares are assigned by absolute key block, and each (token, head) is combined from
+    its own shares only, so a query's output does not depend on the other queries of its pass:
+    decoding a token, verifying it inside a group, and doing so with graph filler tokens in no
+    group beside it (a larger bucket) agree bitwise; the filler tokens get zeros, even where the
+    split kernel's uninitialised buffers held NaN."""
     # two query heads a KV head: one token (2 rows) and five (10) both fill one 16-row block
     rng, layout, history, qkv = random_pass(6, [5], dtype=dtype, device="cuda", heads=4, kv_heads=2, head_dim=64,
                                             max_start=3000)
+    if row_start is not None:  # fewer key blocks than shares for 4 and 8: some shares see no key
+        layout = PackedLayout(rows=layout.rows, starts=np.array([row_start]), counts=layout.counts)
     cache = fresh_cache(history, 3, history[0].shape[2])
     full = packed_metadata(layout, cache, qkv[0].device, fast_attention, kv_splits=kv_splits)
     cache.write(0, full.token_rows, full.token_positions, qkv[1][0], qkv[2][0])  # all five keys, in both cases
     from specdec.triton_attention import packed_attention
 
+    fillers = 11
     outputs = []
-    for first in (4, 0):  # the last query alone, then all five
+    for first, padding in ((4, 0), (0, 0), (0, fillers)):  # the last query alone, all five, five and filler
         sub = PackedLayout(rows=layout.rows, starts=layout.starts + first, counts=layout.counts - first)
         meta = packed_metadata(sub, cache, qkv[0].device, fast_attention, kv_splits=kv_splits)
-        outputs.append(packed_attention(qkv[0][0][:, first:].transpose(0, 1), cache.keys[0], cache.values[0],
-                                        meta.token_positions, meta.group_rows, meta.group_first_token,
-                                        meta.group_counts, meta.max_group_tokens, 0.125, kv_splits=kv_splits)[-1])
-    assert layout.starts[0] + 5 > 64 * kv_splits  # the row spans every share
-    assert torch.equal(outputs[0], outputs[1])
+        query = torch.cat([qkv[0][0][:, first:], torch.randn(4, padding, 64, device="cuda").to(dtype)], dim=1)
+        positions = torch.cat([meta.token_positions, torch.zeros(padding, dtype=torch.int64, device="cuda")])
+        tokens = query.shape[1]
+        poison_allocator(((tokens, 4, 64), dtype), ((kv_splits, tokens, 4, 64), torch.float32))
+        outputs.append(packed_attention(query.transpose(0, 1), cache.keys[0], cache.values[0], positions,
+                                        meta.group_rows, meta.group_first_token, meta.group_counts,
+                                        meta.max_group_tokens, 0.125, kv_splits=kv_splits))
+    if row_start is None:
+        assert layout.starts[0] + 5 > 64 * kv_splits  # the row spans every share
+    alone, group, padded = outputs
+    assert torch.equal(alone[-1], group[-1])
+    assert torch.equal(group, padded[:5])
+    assert torch.equal(padded[5:], torch.zeros_like(padded[5:]))
