@@ -11,9 +11,10 @@ Invariant: the model keeps its parameters' names, shapes and values. Merging lay
 parameter becomes a view of its rows: no extra memory, and writes into the parameters (a
 ``load_state_dict``, an optimiser step) reach the merged tensor. The model's modules are swapped
 for ``Part`` modules only while a runner is attached (``installed()``), so outside specdec the
-model computes as before. A group's first part called computes the whole product; the others
-return their slices of it: each part must be called once, on the same input, per forward (the
-attention and MLP modules of transformers' decoder models do), anything else raises.
+model computes as before. The group's first projection (q, gate) computes the whole product, and
+the others called next on the same input return their slices of it (the attention and MLP
+modules of transformers' decoder models call them so); a projection called alone or on another
+input (a drafter reusing the target's k and v) computes its own product, as unmerged.
 
 Cost: one copy of the merged weights at the first runner build of a model (one group at a time:
 the old storage is freed as each group is merged); none per pass.
@@ -46,7 +47,7 @@ class _Group:
         self.reset()
 
     def reset(self) -> None:
-        self.outputs, self.input, self.pending = None, None, 0
+        self.outputs, self.input = None, None
 
 
 class Part(torch.nn.Module):
@@ -59,18 +60,17 @@ class Part(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out of this part]
         group = self.group
-        if group.pending == 0:  # the group's first part in this forward: the whole product
+        if self.index == 0:  # the group's first projection: the whole product, which the others join
             group.outputs = F.linear(hidden, group.weight, group.bias).split(group.sizes, dim=-1)
-            group.input, group.pending = hidden, len(group.sizes)
-        elif hidden is not group.input:
-            raise RuntimeError(f"{'/'.join(group.names)} of {type(group.parent).__name__} were called on different "
-                               "inputs: they cannot share one product; set specdec.fusion.MERGE = False for this "
-                               "model")
-        group.pending -= 1
-        output = group.outputs[self.index]
-        if group.pending == 0:
-            group.reset()
-        return output
+            group.input = hidden
+            return group.outputs[0]
+        if hidden is group.input:
+            output = group.outputs[self.index]
+            if self.index == len(group.sizes) - 1:
+                group.reset()  # the last one: nothing kept alive until the next pass
+            return output
+        linear = group.linears[self.index]  # called alone, or on another input: its own product
+        return F.linear(hidden, linear.weight, linear.bias)
 
 
 class MergedProjections:

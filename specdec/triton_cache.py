@@ -15,8 +15,11 @@ import triton.language as tl
 
 
 # the input's strides vary with its token count and layout (a pass of one token is often laid out
-# otherwise): not specialised, so no new variant is compiled mid-decoding (see triton_attention)
-@triton.jit(do_not_specialize=["stride_k_head", "stride_k_token", "stride_v_head", "stride_v_token"])
+# otherwise), and the index and input pointers with where they sit in a packed transfer or a merged
+# projection (fusion.py; not always 16-byte aligned): not specialised, so no new variant is compiled
+# mid-decoding (see triton_attention)
+@triton.jit(do_not_specialize=["token_rows_ptr", "token_positions_ptr", "keys_ptr", "values_ptr", "stride_k_head",
+                               "stride_k_token", "stride_v_head", "stride_v_token"])
 def _store_kernel(
     key_cache_ptr, value_cache_ptr, token_rows_ptr, token_positions_ptr, keys_ptr, values_ptr,
     stride_kc_row, stride_kc_head, stride_kc_pos,

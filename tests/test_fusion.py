@@ -1,8 +1,8 @@
 """Merged projections (fusion.py): a runner of a model whose q/k/v and gate/up projections are
 merged gives the same logits and the same greedy tokens as the unmerged model (float32 on the
 CPU: tokens exact, logits to float32 rounding), leaves the model computing as before outside
-the runner, follows in-place weight updates, and refuses a group whose parts read different
-inputs."""
+the runner, follows in-place weight updates, and computes a projection called alone or on
+another input by itself."""
 
 import numpy as np
 import pytest
@@ -115,14 +115,19 @@ class TwoInputs(torch.nn.Module):
         return self.q_proj(x) + self.k_proj(y) + self.v_proj(y)
 
 
-def test_parts_called_on_different_inputs_raise():
+def test_parts_called_alone_or_on_other_inputs_compute_their_own_product():
     module = TwoInputs()
     merged = MergedProjections(module)
     assert len(merged) == 1
     x, y = torch.randn(2, 8), torch.randn(2, 8)
     expected = module(x, y)
-    with merged.installed(), pytest.raises(RuntimeError, match="different inputs"):
-        module(x, y)
+    with merged.installed():
+        torch.testing.assert_close(module(x, y), expected)  # k and v on y: not q's product
+        assert type(module.k_proj).__name__ == "Part"
+        torch.testing.assert_close(module.v_proj(y), expected - module.q_proj(x) - module.k_proj(y))
+        alone = module.k_proj(x)  # k alone (as a drafter that projects the target's keys), after q on x
+        torch.testing.assert_close(alone, torch.nn.functional.linear(x, merged.groups[0].linears[1].weight,
+                                                                     merged.groups[0].linears[1].bias))
     assert torch.equal(module(x, y), expected)  # restored, and its parameters still work unmerged
 
 
@@ -167,3 +172,19 @@ def test_a_merged_model_saves_and_loads_as_before(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[name], value) for name, value in expected.items())
+
+
+def test_spire_drafting_from_a_merged_target(merge_everywhere):
+    """SPIRe's draft projects keys and values with the target's own k and v projections, alone:
+    they compute their own products, and the output stays the target's."""
+    from specdec.drafters import SPIReDrafter, SpireDraft
+
+    target = make_model("llama", dtype=torch.float32, num_layers=3)
+    prompts = [[5, 17, 3, 22, 9, 1, 4, 8, 30, 2], [40, 2, 11, 9, 6, 5, 3]]
+    expected = [hf_greedy(target, p, 12) for p in prompts]
+    draft = SpireDraft.from_target(target, sink=1, window=4)
+    out = generate(target, prompts, drafter=SPIReDrafter(draft), policy=FixedPolicy(3), max_new_tokens=12,
+                   eos_token_id=[])
+    assert runners_of(target)["target"].merged
+    assert out.sequences == expected
+    assert out.stats.accepted > 0

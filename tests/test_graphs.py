@@ -87,6 +87,9 @@ def test_the_prefills_device_work_ends_inside_prefill_time(monkeypatch):
     events, real_prefill, real_synchronize = [], Engine._prefill, torch.cuda.synchronize
     monkeypatch.setattr(Engine, "_prefill", lambda *a: (real_prefill(*a), events.append("prefill"))[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (events.append("synchronize"), real_synchronize(*a))[1])
+    real_stream_synchronize = torch.cuda.Stream.synchronize  # the engine waits for its own stream only
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize",
+                        lambda self: (events.append("synchronize"), real_stream_synchronize(self))[1])
 
     class Recording(FixedPolicy):
         def plan(self, batch, num_drafters):
