@@ -67,10 +67,11 @@ def _attend_block(q, q_pos, m_i, l_i, acc, k_base, v_base, stride_k_pos, stride_
     return m_new, l_i, acc
 
 
-# the kernel's integer arguments that vary from pass to pass (they scale with its token count):
-# Triton would otherwise compile a variant per divisibility of each by 16, on first sight, which
-# stalls a serving engine for about half a second the first time a pass of a new parity runs
-@triton.jit(do_not_specialize=["stride_q_head", "stride_p_split", "window"])
+# the kernel's integer arguments that vary from pass to pass (they scale with its token count, or
+# with the query's layout: the rotary output of a one-token pass has token stride head_dim, not
+# heads x head_dim): Triton would otherwise compile a variant per divisibility of each by 16, on
+# first sight, which stalls a serving engine for about half a second the first time one runs
+@triton.jit(do_not_specialize=["stride_q_token", "stride_q_head", "stride_p_split", "window"])
 def _packed_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     token_positions_ptr, group_rows_ptr, group_first_token_ptr, group_counts_ptr,

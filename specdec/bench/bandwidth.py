@@ -218,7 +218,7 @@ def _measure_shape(shape: str, batch_sizes, context: int, new_tokens: int, modes
         prompts = [[(7 * i + j) % 1000 for j in range(context)] for i in range(batch)]
         floor = floor_seconds(model, batch, context + new_tokens // 2, bandwidth)
         measurements = ([(mode, MODES[mode], {}) for mode in modes]
-                        + ([(name, *ABLATIONS[name]) for name in ABLATIONS] if ablations else [])
+                        + ([(name, *ABLATIONS[name]) for name in ABLATIONS] if ablations and batch == 1 else [])
                         + ([(HF_STATIC, None, {})] if hf_static and batch == 1 else []))
         for mode, options, settings in measurements:
             try:
@@ -243,8 +243,8 @@ def _measure_shape(shape: str, batch_sizes, context: int, new_tokens: int, modes
 
 def run(shapes=("llama-1B", "llama-8B"), batch_sizes=(1, 16), context: int = 512, new_tokens: int = 64,
         modes=tuple(MODES), hf_static: bool = True, ablations: bool = True, log=print) -> dict:
-    """Every shape at every batch size in every mode (and the ablations, the 8B shape only), HF's
-    static cache at batch 1 -> the part's JSON."""
+    """Every shape at every batch size in every mode (and the ablations: the 8B shape at batch 1),
+    HF's static cache at batch 1 -> the part's JSON."""
     bandwidth = copy_bandwidth()
     log(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows, breakdowns = [], {}
