@@ -13,12 +13,10 @@ inside the gaps (nested functions overlap: the rows do not add up).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import time
 
-import numpy as np
 import torch
 
 from specdec import batch, engine, generate, graphs, stats, types
@@ -27,8 +25,7 @@ from specdec.bench.pipeline import random_model
 from specdec.policies import FixedPolicy
 from specdec.verifiers import base
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=96)
+from experiments.host_step_profile import TINY, probe_arguments
 SYNC, LAUNCH = "Verdict.to_host (the synchronisation)", "graph replay launch"
 WRAPPED = [  # (owner, attribute, label)
     (types.Verdict, "to_host", SYNC),
@@ -84,15 +81,8 @@ def critical_path(events: list) -> tuple[float, int, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama-8B", choices=sorted(SHAPES))
-    parser.add_argument("--tiny", action="store_true", help="a tiny random shape (smoke run)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser = probe_arguments(__doc__)
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--out", help="JSON file for the table")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     shape = TINY if args.tiny else SHAPES[args.shape]

@@ -54,16 +54,22 @@ def profile_steps(model, batch: int, context: int, new_tokens: int, options: dic
     return rows, steps, 1000 * (wall - out.stats.prefill_time_s) / steps
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def probe_arguments(doc: str) -> argparse.ArgumentParser:
+    """The shape, device and run arguments of the host probes (this one, host_critical_path.py)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8B", choices=sorted(SHAPES))
     parser.add_argument("--tiny", action="store_true", help="a tiny random shape (smoke run)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", help="JSON file for the table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = probe_arguments(__doc__)
+    parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     shape = TINY if args.tiny else SHAPES[args.shape]
