@@ -57,6 +57,11 @@ class Part(torch.nn.Module):
         super().__init__()
         self.group = group  # not a module: not registered, not in the model's state
         self.index = index
+        # the projection's own parameters, registered under the same names: while installed, the
+        # model's parameters(), state_dict() and weights_fingerprint() are those of the Linear
+        linear = group.linears[index]
+        self.weight = linear.weight
+        self.bias = linear.bias
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out of this part]
         group = self.group
@@ -79,8 +84,11 @@ class MergedProjections:
 
     def __init__(self, model: torch.nn.Module):
         """Merges every group of ``model`` (the parameters become views of merged tensors)."""
+        uses: dict[int, int] = {}  # parameter -> how many places of the model hold it (tied weights)
+        for _, parameter in model.named_parameters(remove_duplicate=False):
+            uses[id(parameter)] = uses.get(id(parameter), 0) + 1
         self.groups = [_Group(module, names) for module in model.modules() for names in GROUPS
-                       if _mergeable([getattr(module, name, None) for name in names])]
+                       if _mergeable([getattr(module, name, None) for name in names], uses)]
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -101,11 +109,14 @@ class MergedProjections:
                     setattr(group.parent, name, linear)
 
 
-def _mergeable(linears: list) -> bool:
-    """Plain linear layers (no subclass, no hook, no sharded or quantised weight) of one input
-    size, dtype and device, all with a bias or none."""
+def _mergeable(linears: list, uses: dict[int, int] | None = None) -> bool:
+    """Plain linear layers (no subclass, no hook, no sharded or quantised weight, no parameter
+    tied to another place of the model) of one input size, dtype and device, all with a bias or
+    none."""
     if not all(type(linear) is torch.nn.Linear for linear in linears):
         return False
+    if uses is not None and any(uses.get(id(p), 1) > 1 for linear in linears for p in linear.parameters()):
+        return False  # merged, a tied parameter would leave its other holder's product stale
     if any(linear._forward_hooks or linear._forward_pre_hooks for linear in linears):
         return False
     tensors = [linear.weight for linear in linears] + [linear.bias for linear in linears if linear.bias is not None]
@@ -131,6 +142,23 @@ def _merged(linears: list, attribute: str) -> torch.Tensor:
         p.data = merged[offset : offset + p.shape[0]]
         offset += p.shape[0]
     return merged
+
+
+def moves_storage(model: torch.nn.Module) -> bool:
+    """Whether merging ``model`` now would give some parameters new storage (a group not yet laid
+    out as one tensor)."""
+    uses: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    for module in model.modules():
+        for names in GROUPS:
+            linears = [getattr(module, name, None) for name in names]
+            if not _mergeable(linears, uses):
+                continue
+            attributes = ("weight", "bias") if linears[0].bias is not None else ("weight",)
+            if not all(_consecutive([getattr(linear, a) for linear in linears]) for a in attributes):
+                return True
+    return False
 
 
 def _consecutive(params: list) -> bool:

@@ -412,6 +412,11 @@ class ModelRunner:
         # q/k/v and gate/up as one product each where the fast backend runs (fusion.py); before the
         # fingerprint: merging gives the parameters new storage
         merge = fusion.MERGE is True or (fusion.MERGE == "fast" and attention == "fast")
+        if merge and fusion.moves_storage(model) and any(
+                r.in_use or r.graphs is not None or r.prefill_graph is not None for r in runners_of(model).values()):
+            # another runner's captured graphs (or a call in flight) read the parameters where they lie:
+            # new storage would free it under them; this runner computes unmerged
+            merge = False
         self.merged = MergedProjections(model) if merge else None
         self.weights_fingerprint = weights_fingerprint(model)
         self.cache = KVCache(self.num_layers, max_rows + 1, max_len)  # + a scratch row for graph filler

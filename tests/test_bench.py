@@ -91,3 +91,14 @@ def test_the_floor_reads_the_input_embedding_one_row_per_token():
         table_bytes = 0 if tied else 1000 * 64 * 4
         expected = all_bytes - table_bytes + (0 if tied else 3 * 64 * 4) + kv_bytes
         assert floor_seconds(model, batch=3, context=10, bandwidth=1.0) == expected
+
+
+def test_kernel_kinds_count_specdecs_own_triton_kernels_where_they_belong():
+    """The fused cache write and the split-KV combine are Triton kernels of ours, not inductor's
+    or elementwise ones: the breakdown counts them as cache write and attention."""
+    from specdec.bench.bandwidth import _kernel_kind
+
+    assert _kernel_kind("_store_kernel") == "cache write / indexing"
+    assert _kernel_kind("_combine_kernel") == "attention"
+    assert _kernel_kind("_packed_attention_kernel") == "attention"
+    assert _kernel_kind("triton_poi_fused_add_0") == "fused (inductor)"

@@ -188,3 +188,71 @@ def test_spire_drafting_from_a_merged_target(merge_everywhere):
     assert runners_of(target)["target"].merged
     assert out.sequences == expected
     assert out.stats.accepted > 0
+
+
+def test_the_model_keeps_its_parameters_and_state_while_a_runner_is_attached(merge_everywhere):
+    """An open Engine holds its runner attached for its whole life: meanwhile the model's
+    parameters(), state_dict() and weights fingerprint are those it has outside."""
+    from specdec.engine import Engine
+    from specdec.runner import weights_fingerprint
+
+    model = make_model("llama", dtype=torch.float32)
+    keys = list(model.state_dict())
+    engine = Engine(model, max_rows=2, max_len=64)
+    try:
+        assert runners_of(model)["target"].merged
+        assert list(model.state_dict()) == keys
+        assert weights_fingerprint(model) == runners_of(model)["target"].weights_fingerprint  # taken outside
+    finally:
+        engine.close()
+
+
+def test_a_model_drafting_for_itself_keeps_its_drafter_runner_across_calls(merge_everywhere):
+    """The drafter's runner is built while the target's is attached: its fingerprint must still
+    match the model's outside, or it is rebuilt (graphs recaptured) whenever the model is used
+    alone as a drafter in between."""
+    from specdec.drafters import ModelDrafter
+
+    model, other = make_model("llama", dtype=torch.float32), make_model("llama", dtype=torch.float32, seed=3)
+    options = dict(policy=FixedPolicy(2), max_new_tokens=6, eos_token_id=[])
+    generate(model, [[5, 17, 3]], drafter=ModelDrafter(model), **options)
+    first = runners_of(model)["drafter-0"]
+    generate(other, [[5, 17, 3]], drafter=ModelDrafter(model), **options)
+    generate(model, [[5, 17, 3]], drafter=ModelDrafter(model), **options)
+    assert runners_of(model)["drafter-0"] is first
+
+
+def test_tied_projection_weights_are_not_merged(merge_everywhere):
+    """A parameter two projections share (layers tying their q) stays one tensor: merged, an
+    in-place update would reach one group's product only."""
+    model = make_model("llama", dtype=torch.float32)
+    layers = model.model.layers
+    layers[1].self_attn.q_proj.weight = layers[0].self_attn.q_proj.weight
+    merged = MergedProjections(model)
+    ids = torch.tensor([[3, 9, 4, 1, 7]])
+    with torch.no_grad():
+        layers[0].self_attn.q_proj.weight.mul_(3.0)  # an in-place update (load_state_dict, an optimiser step)
+        expected = model(ids).logits
+        with merged.installed():
+            assert torch.equal(model(ids).logits, expected)
+
+
+def test_a_runner_built_during_a_call_leaves_the_weights_of_the_runner_in_use(monkeypatch):
+    """A target runner built unmerged (fusion.MERGE off), then a drafter runner of the same model
+    built with merging on in a call: merging would give the parameters new storage under the
+    target runner in use (on a GPU its captured graphs would replay over freed memory)."""
+    from specdec.drafters import ModelDrafter
+    from specdec.runner import weights_fingerprint
+
+    model = make_model("llama", dtype=torch.float32)
+    prompts = [[5, 17, 3, 22, 9]]
+    expected = [hf_greedy(model, p, 8) for p in prompts]
+    monkeypatch.setattr(fusion, "MERGE", False)
+    generate(model, prompts, max_new_tokens=8, eos_token_id=[])
+    target = runners_of(model)["target"]
+    monkeypatch.setattr(fusion, "MERGE", True)
+    out = generate(model, prompts, drafter=ModelDrafter(model), policy=FixedPolicy(2), max_new_tokens=8,
+                   eos_token_id=[])
+    assert runners_of(model)["target"] is target  # the same runner served the call
+    assert target.weights_fingerprint == weights_fingerprint(model)  # and its weights never moved
+    assert out.sequences == expected

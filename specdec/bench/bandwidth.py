@@ -136,8 +136,10 @@ def kernel_breakdown(model) -> dict:
 
 def _kernel_kind(name: str) -> str:
     lowered = name.lower()
-    if "packed_attention" in lowered:
+    if "packed_attention" in lowered or "_combine_kernel" in lowered:  # the split-KV combine is attention's
         return "attention"
+    if "_store_kernel" in lowered:  # triton_cache's fused cache write
+        return "cache write / indexing"
     if any(word in lowered for word in ("gemm", "gemv", "cutlass", "nvjet", "sm90", "cublas", "splitk")):
         return "matmul"
     if "index" in lowered or "scatter" in lowered:
