@@ -11,7 +11,9 @@ Invariant: the model keeps its parameters' names, shapes and values. Merging lay
 parameter becomes a view of its rows: no extra memory, and writes into the parameters (a
 ``load_state_dict``, an optimiser step) reach the merged tensor. The model's modules are swapped
 for ``Part`` modules only while a runner is attached (``installed()``), so outside specdec the
-model computes as before. The group's first projection (q, gate) computes the whole product, and
+model computes as before; a part holds its projection's parameters under the same names, so the
+model's ``parameters()`` and ``state_dict()`` are the same attached or not. No merge moves a
+parameter's storage under another runner's captured graphs (runner.py). The group's first projection (q, gate) computes the whole product, and
 the others called next on the same input return their slices of it (the attention and MLP
 modules of transformers' decoder models call them so); a projection called alone or on another
 input (a drafter reusing the target's k and v) computes its own product, as unmerged.
@@ -30,7 +32,8 @@ import torch.nn.functional as F
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # child names that read one input
 # which runners merge: "fast" (those of the fast backend, on a GPU), True (every runner), False (none;
-# a bench's baseline)
+# a bench's baseline). Read when a runner is built: release the model's runners (runners_of) to
+# change it for a model already run
 MERGE: bool | str = "fast"
 
 
@@ -84,9 +87,7 @@ class MergedProjections:
 
     def __init__(self, model: torch.nn.Module):
         """Merges every group of ``model`` (the parameters become views of merged tensors)."""
-        uses: dict[int, int] = {}  # parameter -> how many places of the model hold it (tied weights)
-        for _, parameter in model.named_parameters(remove_duplicate=False):
-            uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+        uses = _uses(model)
         self.groups = [_Group(module, names) for module in model.modules() for names in GROUPS
                        if _mergeable([getattr(module, name, None) for name in names], uses)]
 
@@ -147,9 +148,7 @@ def _merged(linears: list, attribute: str) -> torch.Tensor:
 def moves_storage(model: torch.nn.Module) -> bool:
     """Whether merging ``model`` now would give some parameters new storage (a group not yet laid
     out as one tensor)."""
-    uses: dict[int, int] = {}
-    for _, parameter in model.named_parameters(remove_duplicate=False):
-        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    uses = _uses(model)
     for module in model.modules():
         for names in GROUPS:
             linears = [getattr(module, name, None) for name in names]
@@ -159,6 +158,14 @@ def moves_storage(model: torch.nn.Module) -> bool:
             if not all(_consecutive([getattr(linear, a) for linear in linears]) for a in attributes):
                 return True
     return False
+
+
+def _uses(model: torch.nn.Module) -> dict[int, int]:
+    """id(parameter) -> how many places of the model hold it (more than one: tied weights)."""
+    uses: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    return uses
 
 
 def _consecutive(params: list) -> bool:
