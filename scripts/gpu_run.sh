@@ -8,6 +8,9 @@
 #   tests     python -m pytest -m cuda (2-5 min; two-GPU tests run where two GPUs are seen)
 #   quick     python -m specdec bench --quick (the zoo against Hugging Face and the bandwidth floor, ~4 min)
 #   bench     python -m specdec bench (the same, every batch size, ~7 min)
+#   bandwidth python -m specdec bench --quick --parts bandwidth (the 8B shape's plain step against its floor and HF's
+#             static cache, batch 1 and 16, with the ablation rows of issue 36's changes; no zoo; ~5 min)
+#   host      experiments/host_critical_path.py --compile (the 8B step's host critical path at batch 1; ~1 min)
 #   trees     python -m specdec bench --parts trees (chains against token trees, batch $BATCH_SIZES, default 1,4,16,64,
 #             temperatures $TEMPERATURES, default 0,0.8; more options in $TREES_ARGS, e.g. "--dtype float32")
 #   verifiers python -m specdec bench --parts verifiers (padded, padding-free and decomposed verification of ragged
@@ -51,6 +54,10 @@ if has quick || has bench || has trees || has verifiers || has serve || has poli
 fi
 has quick && { python3 -m specdec bench --quick --out "$WORK" 2>&1 | tee "$WORK/bench_quick.log" | quiet | tail -30; pack; }
 has bench && { python3 -m specdec bench --out "$WORK" 2>&1 | tee "$WORK/bench.log" | quiet | tail -40; pack; }
+has bandwidth && { timeout ${BANDWIDTH_TIMEOUT:-540} python3 -m specdec bench --quick --parts bandwidth --device cuda \
+  --out "$WORK" 2>&1 | tee "$WORK/bandwidth.log" | quiet | tail -20; pack; }
+has host && { (cd "$(dirname "$0")/.." && PYTHONPATH=. timeout ${HOST_TIMEOUT:-300} python3 experiments/host_critical_path.py \
+  --compile --out "$WORK/host_critical_path.json") 2>&1 | tee "$WORK/host.log" | quiet | tail -20; pack; }
 has trees && { timeout ${TREES_TIMEOUT:-540} python3 -m specdec bench --parts trees --no-peers --batch-sizes "${BATCH_SIZES:-1,4,16,64}" \
   --temperatures "${TEMPERATURES:-0,0.8}" --repeats "${REPEATS:-3}" ${TREES_ARGS:-} \
   --out "$WORK" 2>&1 | tee "$WORK/trees.log" | quiet | tail -60; pack; }
