@@ -80,7 +80,7 @@ from specdec.bench.report import provenance, target_lines  # noqa: E402
 from specdec.distributed import tensor_parallel_group  # noqa: E402
 from specdec.drafters import ModelDrafter  # noqa: E402
 from specdec.policies import FixedPolicy  # noqa: E402
-from specdec.runner import runners_of  # noqa: E402
+from specdec.runner import release_runners, runners_of  # noqa: E402
 
 TINY_SHAPES = {  # CPU smoke runs: heads and widths that split over two ranks
     "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -227,9 +227,7 @@ def replicated_checksum(module: torch.nn.Module) -> float:
 def release(*models) -> None:
     """Drop the runners (caches, captured graphs) kept with ``models`` and the device memory they held."""
     for model in models:
-        for runner in runners_of(model).values():
-            runner.release()
-        runners_of(model).clear()
+        release_runners(model)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

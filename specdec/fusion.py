@@ -13,10 +13,11 @@ parameter becomes a view of its rows: no extra memory, and writes into the param
 for ``Part`` modules only while a runner is attached (``installed()``), so outside specdec the
 model computes as before; a part holds its projection's parameters under the same names, so the
 model's ``parameters()`` and ``state_dict()`` are the same attached or not. No merge moves a
-parameter's storage under another runner's captured graphs (runner.py). The group's first projection (q, gate) computes the whole product, and
-the others called next on the same input return their slices of it (the attention and MLP
-modules of transformers' decoder models call them so); a projection called alone or on another
-input (a drafter reusing the target's k and v) computes its own product, as unmerged.
+parameter's storage under another runner's captured graphs (runner.py). The group's first
+projection (q, gate) computes the whole product, and the others called next on the same input
+return their slices of it (the attention and MLP modules of transformers' decoder models call
+them so); a projection called alone or on another input (a drafter reusing the target's k and v)
+computes its own product, as unmerged.
 
 Cost: one copy of the merged weights at the first runner build of a model (one group at a time:
 the old storage is freed as each group is merged); none per pass.
@@ -87,9 +88,7 @@ class MergedProjections:
 
     def __init__(self, model: torch.nn.Module):
         """Merges every group of ``model`` (the parameters become views of merged tensors)."""
-        uses = _uses(model)
-        self.groups = [_Group(module, names) for module in model.modules() for names in GROUPS
-                       if _mergeable([getattr(module, name, None) for name in names], uses)]
+        self.groups = [_Group(module, names) for module, names, _ in _mergeable_groups(model)]
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -110,13 +109,23 @@ class MergedProjections:
                     setattr(group.parent, name, linear)
 
 
-def _mergeable(linears: list, uses: dict[int, int] | None = None) -> bool:
+def _mergeable_groups(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, tuple[str, ...], list]]:
+    """(parent module, child names, the linears) of every group of ``model`` that can merge."""
+    uses = _uses(model)
+    for module in model.modules():
+        for names in GROUPS:
+            linears = [getattr(module, name, None) for name in names]
+            if _mergeable(linears, uses):
+                yield module, names, linears
+
+
+def _mergeable(linears: list, uses: dict[int, int]) -> bool:
     """Plain linear layers (no subclass, no hook, no sharded or quantised weight, no parameter
     tied to another place of the model) of one input size, dtype and device, all with a bias or
     none."""
     if not all(type(linear) is torch.nn.Linear for linear in linears):
         return False
-    if uses is not None and any(uses.get(id(p), 1) > 1 for linear in linears for p in linear.parameters()):
+    if any(uses.get(id(p), 1) > 1 for linear in linears for p in linear.parameters()):
         return False  # merged, a tied parameter would leave its other holder's product stale
     if any(linear._forward_hooks or linear._forward_pre_hooks for linear in linears):
         return False
@@ -148,15 +157,10 @@ def _merged(linears: list, attribute: str) -> torch.Tensor:
 def moves_storage(model: torch.nn.Module) -> bool:
     """Whether merging ``model`` now would give some parameters new storage (a group not yet laid
     out as one tensor)."""
-    uses = _uses(model)
-    for module in model.modules():
-        for names in GROUPS:
-            linears = [getattr(module, name, None) for name in names]
-            if not _mergeable(linears, uses):
-                continue
-            attributes = ("weight", "bias") if linears[0].bias is not None else ("weight",)
-            if not all(_consecutive([getattr(linear, a) for linear in linears]) for a in attributes):
-                return True
+    for _, _, linears in _mergeable_groups(model):
+        attributes = ("weight", "bias") if linears[0].bias is not None else ("weight",)
+        if not all(_consecutive([getattr(linear, a) for linear in linears]) for a in attributes):
+            return True
     return False
 
 

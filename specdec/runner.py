@@ -30,7 +30,6 @@ from .attention import ATTENTION_NAME, BACKENDS, window_covers_tree
 from .attention_metadata import METADATA_KWARG, AttentionMetadata
 from . import fusion
 from .cache import KVCache
-from .fusion import MergedProjections
 from .hidden_states import HiddenStateTap
 
 
@@ -349,6 +348,15 @@ def runners_of(model) -> dict:
     return model.__dict__.setdefault(RUNNERS_ATTRIBUTE, KeptRunners())
 
 
+def release_runners(model) -> None:
+    """Release every runner kept with ``model`` now (its caches and captured graphs) and forget
+    them: the next call builds new ones (under the settings of that time: fusion.MERGE...)."""
+    runners = runners_of(model)
+    for runner in runners.values():
+        runner.release()
+    runners.clear()
+
+
 def runner_for(model, *, role: str, max_rows: int, max_len: int, attention: str = "reference",
                graph_shape: tuple[int, ...] | None = None, compile: bool = False,
                hidden_layers: tuple[int, ...] = ()) -> "ModelRunner":
@@ -417,7 +425,7 @@ class ModelRunner:
             # another runner's captured graphs (or a call in flight) read the parameters where they lie:
             # new storage would free it under them; this runner computes unmerged
             merge = False
-        self.merged = MergedProjections(model) if merge else None
+        self.merged = fusion.MergedProjections(model) if merge else None
         self.weights_fingerprint = weights_fingerprint(model)
         self.cache = KVCache(self.num_layers, max_rows + 1, max_len)  # + a scratch row for graph filler
         self.backend = BACKENDS[attention]

@@ -11,7 +11,7 @@ import torch
 from specdec import fusion, generate
 from specdec.fusion import MergedProjections
 from specdec.policies import FixedPolicy
-from specdec.runner import ModelRunner, PackedLayout, runners_of
+from specdec.runner import ModelRunner, PackedLayout, release_runners, runners_of
 from tests.tiny import make_model, perturbed_copy
 
 
@@ -152,9 +152,7 @@ def test_merged_graphs_give_the_unmerged_tokens_on_a_gpu(compile, monkeypatch):
     options = dict(max_new_tokens=16, eos_token_id=[], cuda_graphs=True, compile=compile)
     monkeypatch.setattr(fusion, "MERGE", False)
     plain = generate(model, prompts, **options).sequences
-    for runner in runners_of(model).values():
-        runner.release()
-    runners_of(model).clear()
+    release_runners(model)
     monkeypatch.setattr(fusion, "MERGE", "fast")
     out = generate(model, prompts, **options)
     assert runners_of(model)["target"].merged

@@ -21,7 +21,7 @@ import torch
 
 from .. import cache, fusion, generate
 from ..policies import FixedPolicy
-from ..runner import runners_of
+from ..runner import release_runners, runners_of
 from . import peers
 
 SHAPES = {
@@ -199,12 +199,6 @@ def _settings(merge: bool = True, attention: bool = True):
         fusion.MERGE, triton_attention.MIN_SHARE, cache.FUSED_STORE = saved
 
 
-def _release_runners(model) -> None:
-    for runner in runners_of(model).values():
-        runner.release()
-    runners_of(model).clear()
-
-
 def _specdec_step_seconds(model, prompts, new_tokens: int, options: dict) -> float:
     """Decode wall time per step of plain decoding through generate(), after a warm-up call."""
     for _ in range(2):  # the first call sizes the cache, compiles and captures
@@ -227,7 +221,7 @@ def _measure_shape(shape: str, batch_sizes, context: int, new_tokens: int, modes
                 if options is None:
                     row = _row(shape, model, batch, mode, hf_static_step_seconds(model, context, new_tokens), floor, None)
                 else:
-                    _release_runners(model)  # each mode on a runner of its own (settings apply at its build)
+                    release_runners(model)  # each mode on a runner of its own (settings apply at its build)
                     with _settings(**settings):
                         step = _specdec_step_seconds(model, prompts, new_tokens, options)
                         graphed = options.get("cuda_graphs", False)
@@ -239,7 +233,7 @@ def _measure_shape(shape: str, batch_sizes, context: int, new_tokens: int, modes
                 row = {"shape": shape, "batch": batch, "mode": mode, "error": f"{type(error).__name__}: {error}"[:500]}
             rows.append(row)
             log(_describe(row))
-    _release_runners(model)
+    release_runners(model)
     return rows, breakdowns
 
 
