@@ -25,21 +25,29 @@ import torch
 from specdec import generate
 from specdec.bench.bandwidth import SHAPES
 from specdec.bench.pipeline import random_model
+from specdec.drafters import ModelDrafter
 from specdec.policies import FixedPolicy
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=96)
+# the gpu zoo's target and its 4-layer drafter (zoo/presets.py), for the speculative step's host time
+ZOO_TARGET = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
+                  num_key_value_heads=8, vocab_size=8192)
+ZOO_DRAFTER = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=8192)
 
 
 def profile_steps(model, batch: int, context: int, new_tokens: int, options: dict) -> tuple[list[dict], int, float]:
-    """-> (rows of function, own ms a step, cumulative ms a step, calls a step; steps; wall ms a step)."""
+    """-> (rows of function, own ms a step, cumulative ms a step, calls a step; steps; wall ms a step).
+    options: generate()'s (a drafter and policy for a speculative step; plain decoding by default)."""
     prompts = [[(7 * i + j) % model.config.vocab_size for j in range(context)] for i in range(batch)]
+    options = {"policy": FixedPolicy(0), **options}
     for _ in range(2):  # the first call sizes the cache and captures the graphs
-        generate(model, prompts, policy=FixedPolicy(0), max_new_tokens=new_tokens, eos_token_id=[], **options)
+        generate(model, prompts, max_new_tokens=new_tokens, eos_token_id=[], **options)
     profiler = cProfile.Profile()
     started = time.perf_counter()
     profiler.enable()
-    out = generate(model, prompts, policy=FixedPolicy(0), max_new_tokens=new_tokens, eos_token_id=[], **options)
+    out = generate(model, prompts, max_new_tokens=new_tokens, eos_token_id=[], **options)
     profiler.disable()
     wall = time.perf_counter() - started
     steps = out.stats.steps
@@ -57,7 +65,8 @@ def profile_steps(model, batch: int, context: int, new_tokens: int, options: dic
 def probe_arguments(doc: str) -> argparse.ArgumentParser:
     """The shape, device and run arguments of the host probes (this one, host_critical_path.py)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama-8B", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="llama-8B", choices=sorted(SHAPES) + ["zoo-gpu"],
+                        help="zoo-gpu: the gpu zoo's 49M-parameter target (random weights)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random shape (smoke run)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=1)
@@ -70,11 +79,19 @@ def probe_arguments(doc: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = probe_arguments(__doc__)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--k", type=int, default=0, help="draft length: > 0 drafts with a random model of the gpu "
+                        "zoo's 4-layer drafter shape (random weights: nothing is accepted, the step's work is)")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
-    shape = TINY if args.tiny else SHAPES[args.shape]
-    model = random_model(shape, args.device, seed=0, dtype=torch.bfloat16 if cuda else torch.float32)
-    options = dict(attention="fast", cuda_graphs=True) if cuda else {}
+    shape = TINY if args.tiny else ZOO_TARGET if args.shape == "zoo-gpu" else SHAPES[args.shape]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = random_model(shape, args.device, seed=0, dtype=dtype)
+    options = dict(attention="fast", cuda_graphs=True, compile=args.compile) if cuda else {}
+    if args.k:
+        drafter_shape = dict(TINY, num_hidden_layers=1) if args.tiny else dict(ZOO_DRAFTER, vocab_size=shape["vocab_size"])
+        options.update(drafter=ModelDrafter(random_model(drafter_shape, args.device, seed=1, dtype=dtype)),
+                       policy=FixedPolicy(args.k))
     rows, steps, wall_ms = profile_steps(model, args.batch, min(args.context, 64 if args.tiny else args.context),
                                          args.new_tokens, options)
     print(f"{steps} steps, {wall_ms:.3f} ms a step under the profiler (wall less prefill)")
@@ -83,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['cumulative_ms']:13.3f} {row['own_ms']:8.3f} {row['calls']:6.1f}  {row['function']}")
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump(dict(shape="tiny" if args.tiny else args.shape, device=args.device, batch=args.batch,
+            json.dump(dict(shape="tiny" if args.tiny else args.shape, device=args.device, batch=args.batch, k=args.k,
+                           compile=args.compile,
                            steps=steps, wall_ms_per_step=wall_ms, rows=rows), handle, indent=1)
     return 0
 
