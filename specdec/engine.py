@@ -28,7 +28,8 @@ Cost per step: one target forward over the active rows' drafts (plus the prefill
 step that admits requests: replays of one graph under CUDA graphs), the drafters' passes, and
 one device-to-host copy. While rows with different sampling parameters are in flight, also one
 small host-to-device copy of them per pass that samples, and the processing of every row's
-distribution (greedy rows' included).
+distribution (greedy rows' included). Plain decoding on a GPU runs ahead (run_ahead.py): each
+step is launched before the one before it commits, so the host's work overlaps the device's.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import inputs
+from . import inputs, run_ahead
 from .batch import BatchState
 from .distributed import tensor_parallel_group
 from .drafters.base import Drafter, empty_draft, merge_drafts
@@ -52,8 +53,9 @@ from .runner import models_in_use, resolve_backend, runner_for, runners_of
 from .sampling import TREE_PROBLEMS
 from .stats import RequestStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
+from .token_rules import penalises_repeats
 from .transfer import to_device
-from .types import Draft, Plan, SamplingParams
+from .types import Draft, HostVerdict, Plan, SamplingParams
 from .verifiers.base import Verifier
 from .verifiers.padding_free import PaddingFreeVerifier
 
@@ -162,6 +164,10 @@ class Engine:
         self._finished: list[FinishedRequest] = []  # cancelled before they ran, reported by the next step
         self._next_id = 0
         self._clock = time.perf_counter()
+        # plain decoding launches each step before the one before it commits (run_ahead.py)
+        self._runs_ahead = run_ahead.enabled(self.device) and self.policy.max_draft_tokens == 0 and self._group is None
+        self._launched: run_ahead.Launched | None = None  # a step launched and not yet committed
+        self._last_commit = 0.0  # time.perf_counter() at the last run-ahead commit
         self._stack = contextlib.ExitStack()  # unwinds in reverse: drafters finish, the target detaches, locks go
         try:
             # threads sharing a model take turns: its runners, caches and attention switch are one engine's at a time
@@ -291,6 +297,8 @@ class Engine:
         self.admit()
         if not self.batch.finished.all():
             self._decode(stream)
+        else:
+            self._launched = None  # a step launched for rows since cancelled: nothing to commit
         done, self._finished = self._finished, []
         return done
 
@@ -362,18 +370,63 @@ class Engine:
                                     prefill=True)
 
     def _decode(self, stream) -> None:
+        if self._runs_ahead:
+            self._decode_ahead(stream)
+            return
         step_started = time.perf_counter()
         plan, plan_time_s = self._plan()
         draft = self._draft(plan, self._timer)
         rows, verdict, cost = self._verify(draft)
-        self._finish(rows, plan, draft, verdict, cost, plan_time_s, step_started, stream)
+        self._finish(rows, plan, draft, verdict.to_host(self._group), cost, plan_time_s, step_started, stream)
+
+    def _decode_ahead(self, stream) -> None:
+        """A plain decoding step, run ahead (run_ahead.py): launch the next step from the state
+        this one's commit will leave, then commit this one (launched by the previous call, or now)."""
+        launched = self._launched or self._launch(self.batch, None)
+        self._launched = None
+        still = launched.still_running(self._rows, self.batch)  # [A]
+        carried = launched.rows[still]
+        ahead = run_ahead.predicted_batch(self.batch, carried)
+        rows = ahead.active_rows()
+        if len(rows):
+            sampling = ahead.sampling_of(rows, self.device)
+            if not penalises_repeats(sampling):  # a penalty reads the committed tokens: no running ahead
+                in_launch = np.zeros(self.batch.num_rows, dtype=bool)
+                in_launch[carried] = True
+                self._launched = self._launch(ahead, launched.next_tokens(rows, in_launch[rows], self.batch), sampling)
+        host = launched.copy.wait()
+        dropped = launched.rows[~still]  # ended (or re-admitted) since the launch: they emit nothing
+        host.num_emitted[dropped] = host.num_accepted[dropped] = 0
+        if len(carried):
+            draft = _no_draft(self.batch.num_rows, launched.verdict.token_ids.device)
+            self._finish(carried, launched.plan, draft, host, launched.cost, launched.plan_time_s,
+                         max(launched.started, self._last_commit), stream, launched.timer)
+        self._last_commit = time.perf_counter()
+        if self._launched is not None and not self._launched.still_running(self._rows, self.batch).any():
+            self._launched = None  # every row of it ended at this commit
+
+    def _launch(self, batch: BatchState, last_tokens, sampling=None) -> run_ahead.Launched:
+        """Launch a plain decoding step over ``batch``'s active rows (the engine's batch, or one
+        predicted by run_ahead) and start its verdict's copy to the host."""
+        started = time.perf_counter()
+        plan, plan_time_s = self._plan(batch)  # no drafts (max_draft_tokens is 0); the policy still plans each step
+        rows = batch.active_rows()  # [A]
+        timer = PhaseTimer(self.device)
+        with timer.phase("verify"):
+            sampling = batch.sampling_of(rows, self.device) if sampling is None else sampling
+            verdict, cost = self.verifier.verify(self.runner, batch, _no_draft(batch.num_rows, self.device), sampling,
+                                                 logprobs=self.return_logprobs, last_tokens=last_tokens)
+        return run_ahead.Launched(rows, [self._rows[row] for row in rows], verdict, verdict.copy_to_host(), cost,
+                                  timer, started, plan, plan_time_s)
 
     # The step's parts, in order (pipeline.py interleaves them over micro-batches).
-    def _plan(self) -> tuple[Plan, float]:
-        """The policy's plan for the active rows, checked and bounded -> (plan, host seconds)."""
+    def _plan(self, batch: BatchState | None = None) -> tuple[Plan, float]:
+        """The policy's plan for the active rows (of ``batch``: a run-ahead step's predicted one;
+        default the engine's), checked and bounded -> (plan, host seconds)."""
+        batch = self.batch if batch is None else batch
         started = time.perf_counter()
-        plan = _bounded(_checked(self.policy.plan(self.batch, len(self.drafters)), self.policy, self.batch,
-                                 self._trees), self.batch, self._trees)
+        plan = _bounded(_checked(self.policy.plan(batch, len(self.drafters)), self.policy, batch, self._trees),
+                        batch, self._trees)
         return plan, time.perf_counter() - started
 
     def _draft(self, plan: Plan, timer: PhaseTimer) -> Draft:
@@ -389,16 +442,18 @@ class Engine:
             verdict, cost = self.verifier.verify(self.runner, self.batch, draft, sampling, logprobs=self.return_logprobs)
         return rows, verdict, cost
 
-    def _phase_times(self) -> tuple[dict[str, float], dict[str, float]]:
-        """The step's phase seconds (device clock on a GPU) and host seconds, once synchronised."""
-        return self._timer.collect(), self._timer.host_seconds
+    def _phase_times(self, timer: PhaseTimer | None = None) -> tuple[dict[str, float], dict[str, float]]:
+        """The step's phase seconds (device clock on a GPU) and host seconds, once synchronised
+        (``timer``: a run-ahead step's own, else the engine's)."""
+        timer = self._timer if timer is None else timer
+        return timer.collect(), timer.host_seconds
 
-    def _finish(self, rows: np.ndarray, plan: Plan, draft: Draft, verdict, cost, plan_time_s: float,
-                step_started: float, stream) -> None:
-        """Copy the verdict to the host (the step's one synchronisation), commit, roll the
-        drafters back, record, let the policy observe, release finished rows, stream."""
+    def _finish(self, rows: np.ndarray, plan: Plan, draft: Draft, host: HostVerdict, cost, plan_time_s: float,
+                step_started: float, stream, timer: PhaseTimer | None = None) -> None:
+        """With the verdict on the host (``Verdict.to_host``, the step's one synchronisation;
+        rank 0's on a tensor-parallel target): commit, roll the drafters back, record, let the
+        policy observe, release finished rows, stream."""
         batch = self.batch
-        host = verdict.to_host(self._group)  # rank 0 decides
         _raise_on_malformed_trees(host, plan, self.drafters)
         lengths_before = batch.lengths.copy()
         appended = batch.commit(host)
@@ -412,7 +467,7 @@ class Engine:
         if stream is not None:
             streamed = [(self._rows[row].id, batch.token_ids[row, lengths_before[row] : batch.lengths[row]].tolist())
                         for row in np.flatnonzero(appended)]
-        times, host_seconds = self._phase_times()
+        times, host_seconds = self._phase_times(timer)
         # only the rows verified count the draft's tokens: in a pipelined engine a row may have been
         # released, and given a new request, since its draft was made (a no-op otherwise: _bounded)
         taking_part = accepted >= 0  # [B]
@@ -462,6 +517,17 @@ class Engine:
         return FinishedRequest(id=request.id, token_ids=token_ids, reason=reason, stats=stats,
                                arrival_s=request.arrival_s, first_token_s=request.first_token_s,
                                finish_s=self.now(), logprobs=logprobs)
+
+
+def _no_draft(num_rows: int, device: torch.device) -> Draft:
+    """No draft for any row (a plain step's), its empty [B, 0] ids made once per shape and device."""
+    key = (num_rows, str(device))
+    if key not in _NO_DRAFTS:
+        _NO_DRAFTS[key] = empty_draft(num_rows, device)
+    return _NO_DRAFTS[key]
+
+
+_NO_DRAFTS: dict = {}
 
 
 def _raise_on_malformed_trees(host, plan: Plan, drafters: list[Drafter]) -> None:

@@ -68,6 +68,7 @@ class PipelinedEngine(Engine):
             raise ValueError(f"micro_batches must be an int >= 2 (1 is the plain Engine), got {micro_batches!r}")
         micro_batches = int(micro_batches)
         super().__init__(*args, **kwargs)
+        self._runs_ahead = False  # its steps interleave micro-batches (_decode below)
         try:
             reading = [d.describe() for d in self.drafters if d.reads_target]
             if reading:
@@ -213,13 +214,13 @@ class PipelinedEngine(Engine):
             self._pending[drafted] = self._propose_group(drafted, ready)
         if pending is not None:
             with self._only(verified):
-                self._finish(rows, pending.plan, pending.draft, verdict, cost, pending.plan_time_s, step_started,
-                             stream)
+                self._finish(rows, pending.plan, pending.draft, verdict.to_host(self._group), cost,
+                             pending.plan_time_s, step_started, stream)
 
-    def _phase_times(self) -> tuple[dict[str, float], dict[str, float]]:
+    def _phase_times(self, timer: PhaseTimer | None = None) -> tuple[dict[str, float], dict[str, float]]:
         """The verify phase from this step, the draft phases from the step that drafted the group
         (complete: the verification waited for them)."""
-        times, host_seconds = super()._phase_times()
+        times, host_seconds = super()._phase_times(timer)
         times.update(self._pending_timer.collect())
         host_seconds = {**host_seconds, **self._pending_timer.host_seconds}
         return times, host_seconds

@@ -242,23 +242,53 @@ class Verdict:
         """Copy to the host: the one synchronisation of a decoding step. With a process
         ``group`` (a tensor-parallel target), every rank gets rank 0's verdict. Log-probabilities
         travel in the same transfer, as the bits of their float32 values."""
+        return self.copy_to_host(group).wait()
+
+    def copy_to_host(self, group=None) -> "HostCopy":
+        """Start the copy of ``to_host`` without waiting for it: on a GPU the verdict is queued
+        for pinned host memory behind the kernels that compute it, so the host may queue more
+        work (the next step) before it waits (``HostCopy.wait``)."""
         parts = [self.token_ids, self.num_emitted[:, None], self.num_accepted[:, None]]
         if self.tree_problems is not None:
             parts.append(self.tree_problems[:, None])
         if self.logprobs is not None:
             parts.append(self.logprobs.float().contiguous().view(torch.int32).long())  # [B, K+1]
-        packed = torch.cat(parts, dim=1)
+        packed = torch.cat(parts, dim=1)  # [B, K+3], + 1 with tree problems, + K+1 with logprobs: one transfer
         if group is not None:
             from .distributed import broadcast_from_first_rank
 
             packed = broadcast_from_first_rank(packed, group)
-        host = packed.cpu().numpy()  # [B, K+3], + 1 with tree problems, + K+1 with logprobs: one transfer
-        width = self.token_ids.shape[1]
-        logprobs = tree_problems = None
+        done = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = packed
+        return HostCopy(host, done, self.token_ids.shape[1], self.tree_problems is not None, self.logprobs is not None)
+
+
+@dataclass
+class HostCopy:
+    """A verdict on its way to the host (``Verdict.copy_to_host``)."""
+
+    packed: torch.Tensor  # [B, C] int64 on the host (pinned on a GPU's way)
+    done: object  # the torch.cuda.Event recorded after the copy; None on the CPU
+    width: int  # K+1
+    has_tree_problems: bool
+    has_logprobs: bool
+
+    def wait(self) -> "HostVerdict":
+        """Wait for the copy (the step's synchronisation) -> the HostVerdict."""
+        if self.done is not None:
+            self.done.synchronize()
+        host = self.packed.numpy()
+        width, logprobs, tree_problems = self.width, None, None
         end = width + 2
-        if self.tree_problems is not None:
+        if self.has_tree_problems:
             tree_problems, end = host[:, end], end + 1
-        if self.logprobs is not None:
+        if self.has_logprobs:
             logprobs = np.ascontiguousarray(host[:, end:]).astype(np.int32).view(np.float32)
         return HostVerdict(token_ids=host[:, :width], num_emitted=host[:, width], num_accepted=host[:, width + 1],
                            logprobs=logprobs, tree_problems=tree_problems)

@@ -34,17 +34,22 @@ class Verifier(ABC):
 
     def verify(
         self, runner: ModelRunner, batch: BatchState, draft: Draft, sampling: SamplingParams | RowSampling,
-        logprobs: bool = False,
+        logprobs: bool = False, last_tokens: torch.Tensor | None = None,
     ) -> tuple[Verdict, VerifyCost]:
         """One target pass over every active row's draft -> (verdict, cost); with ``logprobs`` the
         verdict carries each emitted token's log-probability (sampling.emitted_logprobs).
         sampling: one SamplingParams for every row, or a RowSampling over the active rows
-        (``batch.sampling_of(batch.active_rows(), device)``), each row's own."""
+        (``batch.sampling_of(batch.active_rows(), device)``), each row's own. last_tokens: [A] on
+        the device, the active rows' last tokens when the host does not hold them yet (a step
+        launched before its predecessor's commit: engine.py's run-ahead); ``batch.lengths``
+        then counts them already."""
         rows = batch.active_rows()  # [A]
         device = runner.device
         num_draft = draft.num_tokens[rows]  # [A]
+        last = batch.last_token_ids(rows) if last_tokens is None else np.zeros(0, dtype=np.int64)
         rows_t, last_t, num_draft_t, seeds_t, lengths_t = to_device_many(
-            [rows, batch.last_token_ids(rows), num_draft, batch.seeds[rows], batch.lengths[rows]], device)
+            [rows, last, num_draft, batch.seeds[rows], batch.lengths[rows]], device)
+        last_t = last_t if last_tokens is None else last_tokens
         every_row = len(rows) == batch.num_rows  # the common case: no row gathering or scattering
         pick = (lambda tensor: tensor) if every_row else (lambda tensor: None if tensor is None else tensor[rows_t])
         draft_ids = pick(draft.token_ids)  # [A, K]
