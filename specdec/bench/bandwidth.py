@@ -2,7 +2,7 @@
 parameters) against the hardware's floor, and where a step's time goes: each mode's forward and
 host milliseconds, a kernel breakdown, and the compiled step without the changes that bring it
 nearer the floor (``ABLATIONS``: merged projections, split-KV attention with one combine and one
-cache-write kernel), so that each change's gain is measured in the same run.
+cache-write kernel, run-ahead steps), so that each change's gain is measured in the same run.
 
 Invariant: the floor is (weight bytes + KV bytes read per step) / copy bandwidth, with the copy
 bandwidth measured in the same run (device-to-device copy of 2 GiB: it reads and writes, so
@@ -46,6 +46,7 @@ ABLATIONS = {
     "graphs + compile, no merging, old attention": (MODES["specdec CUDA graphs + compile"],
                                                      dict(merge=False, attention=False)),
     "graphs + compile, old attention": (MODES["specdec CUDA graphs + compile"], dict(attention=False)),
+    "graphs + compile, no run-ahead": (MODES["specdec CUDA graphs + compile"], dict(run_ahead=False)),
 }
 
 
@@ -183,20 +184,22 @@ def _describe(row: dict) -> str:
 
 
 @contextlib.contextmanager
-def _settings(merge: bool = True, attention: bool = True):
+def _settings(merge: bool = True, attention: bool = True, run_ahead: bool = True):
     """merge: q/k/v and gate/up merged (fusion.MERGE); attention: split-KV shares at short
-    contexts (triton_attention.MIN_SHARE) and the one-kernel cache write (cache.FUSED_STORE).
-    False runs the runner as it was before each. Restored on exit."""
-    from .. import triton_attention
+    contexts (triton_attention.MIN_SHARE) and the one-kernel cache write (cache.FUSED_STORE);
+    run_ahead: each plain step launched before the one before it commits (run_ahead.RUN_AHEAD).
+    False runs the engine as it was before each. Restored on exit."""
+    from .. import run_ahead as ahead, triton_attention
 
-    saved = fusion.MERGE, triton_attention.MIN_SHARE, cache.FUSED_STORE
+    saved = fusion.MERGE, triton_attention.MIN_SHARE, cache.FUSED_STORE, ahead.RUN_AHEAD
     fusion.MERGE = saved[0] if merge else False
     triton_attention.MIN_SHARE = saved[1] if attention else 512
     cache.FUSED_STORE = saved[2] and attention
+    ahead.RUN_AHEAD = saved[3] if run_ahead else False
     try:
         yield
     finally:
-        fusion.MERGE, triton_attention.MIN_SHARE, cache.FUSED_STORE = saved
+        fusion.MERGE, triton_attention.MIN_SHARE, cache.FUSED_STORE, ahead.RUN_AHEAD = saved
 
 
 def _specdec_step_seconds(model, prompts, new_tokens: int, options: dict) -> float:
