@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(attention="fast", cuda_graphs=True, compile=args.compile) if cuda else {}
     if args.k:
         drafter_shape = dict(TINY, num_hidden_layers=1) if args.tiny else dict(ZOO_DRAFTER, vocab_size=shape["vocab_size"])
-        options.update(drafter=ModelDrafter(random_model(drafter_shape, args.device, seed=1, dtype=dtype)),
+        graphs = dict(cuda_graphs=True, compile=args.compile) if cuda else {}  # as the zoo bench drafts
+        options.update(drafter=ModelDrafter(random_model(drafter_shape, args.device, seed=1, dtype=dtype), **graphs),
                        policy=FixedPolicy(args.k))
     rows, steps, wall_ms = profile_steps(model, args.batch, min(args.context, 64 if args.tiny else args.context),
                                          args.new_tokens, options)
