@@ -5,7 +5,9 @@ step's graph replay, during which the device has nothing to run, and the functio
 Wraps a few functions with wall-clock timers (about a microsecond each, unlike cProfile's
 per-call cost over every function), runs plain decoding of a random-weight Llama shape through
 generate() under CUDA graphs, and prints the mean gap per step and each wrapped function's time
-inside the gaps (nested functions overlap: the rows do not add up).
+inside the gaps (nested functions overlap: the rows do not add up). Run-ahead (run_ahead.py) is
+turned off here: with it the next step is queued before the synchronisation, so the gap would not
+be idle device time; the bandwidth bench's host milliseconds measure what it leaves.
 
     PYTHONPATH=. python experiments/host_critical_path.py --shape llama-8B --batch 1 [--compile]   # GPU
     PYTHONPATH=. python experiments/host_critical_path.py --device cpu --tiny                      # a smoke run
@@ -19,16 +21,16 @@ import time
 
 import torch
 
-from specdec import batch, engine, generate, graphs, stats, types
+from specdec import batch, engine, generate, graphs, run_ahead, stats, types
 from specdec.bench.bandwidth import SHAPES
 from specdec.bench.pipeline import random_model
 from specdec.policies import FixedPolicy
 from specdec.verifiers import base
 
 from experiments.host_step_profile import TINY, probe_arguments
-SYNC, LAUNCH = "Verdict.to_host (the synchronisation)", "graph replay launch"
+SYNC, LAUNCH = "HostCopy.wait (the synchronisation)", "graph replay launch"
 WRAPPED = [  # (owner, attribute, label)
-    (types.Verdict, "to_host", SYNC),
+    (types.HostCopy, "wait", SYNC),
     (torch.cuda.CUDAGraph, "replay", LAUNCH),
     (engine.Engine, "admit", "Engine.admit"),
     (engine.Engine, "_plan", "Engine._plan (policy)"),
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[(7 * i + j) % model.config.vocab_size for j in range(context)] for i in range(args.batch)]
     call = functools.partial(generate, model, prompts, policy=FixedPolicy(0), max_new_tokens=args.new_tokens,
                              eos_token_id=[], **options)
+    run_ahead.RUN_AHEAD = False  # (module docstring)
     call(), call()  # the first sizes the cache and captures the graphs
     events: list = []
     originals = instrument(events)
