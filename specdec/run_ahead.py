@@ -22,7 +22,8 @@ The policy (one that never drafts) still plans every step, over the batch as pre
 Not run ahead: speculative steps (the next draft follows the verdict), repetition penalties (they
 read the committed tokens), tensor-parallel targets (every rank must take the same steps) and
 pipelined engines. Cost: a row that ends at an EOS or stop sequence costs one pass it does not
-use; on the CPU nothing overlaps (``RUN_AHEAD = "cuda"`` keeps it to GPUs; True runs it
+use; a request admitted while a step is in flight joins the next one, so its tokens come one
+``step()`` call later (each call, shorter); on the CPU nothing overlaps (``RUN_AHEAD = "cuda"`` keeps it to GPUs; True runs it
 everywhere, as the CPU tests do).
 """
 
