@@ -55,7 +55,7 @@ from .stats import RequestStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
 from .token_rules import penalises_repeats
 from .transfer import to_device
-from .types import Draft, HostVerdict, Plan, SamplingParams
+from .types import Draft, HostVerdict, Plan, SamplingParams, VerifyCost
 from .verifiers.base import Verifier
 from .verifiers.padding_free import PaddingFreeVerifier
 
@@ -382,8 +382,14 @@ class Engine:
     def _decode_ahead(self, stream) -> None:
         """A plain decoding step, run ahead (run_ahead.py): launch the next step from the state
         this one's commit will leave, then commit this one (launched by the previous call, or now)."""
-        launched = self._launched or self._launch(self.batch, None)
-        self._launched = None
+        launched, self._launched, wasted = self._launched, None, None
+        if launched is not None:
+            still = launched.still_running(self._rows, self.batch)  # [A]
+            if len(np.setdiff1d(self.batch.active_rows(), launched.rows[still])):
+                # rows admitted since its launch: without run-ahead they emit in this step, so the
+                # step is launched again over every running row (the launched pass is wasted)
+                launched, wasted = None, launched.cost
+        launched = launched or self._launch(self.batch, None)
         still = launched.still_running(self._rows, self.batch)  # [A]
         carried = launched.rows[still]
         ahead = run_ahead.predicted_batch(self.batch, carried)
@@ -399,7 +405,9 @@ class Engine:
         host.num_emitted[dropped] = host.num_accepted[dropped] = 0
         if len(carried):
             draft = _no_draft(self.batch.num_rows, launched.verdict.token_ids.device)
-            self._finish(carried, launched.plan, draft, host, launched.cost, launched.plan_time_s,
+            cost = launched.cost if wasted is None else VerifyCost(launched.cost.target_tokens + wasted.target_tokens,
+                                                                   launched.cost.padding_tokens + wasted.padding_tokens)
+            self._finish(carried, launched.plan, draft, host, cost, launched.plan_time_s,
                          max(launched.started, self._last_commit), stream, launched.timer)
         self._last_commit = time.perf_counter()
         if self._launched is not None and not self._launched.still_running(self._rows, self.batch).any():

@@ -159,3 +159,28 @@ def test_run_ahead_under_cuda_graphs_gives_the_output_without_it(monkeypatch):
     on = serve()
     monkeypatch.setattr(run_ahead, "RUN_AHEAD", False)
     assert on == serve()
+
+
+def test_a_request_admitted_while_a_step_is_in_flight_gets_its_tokens_at_the_same_steps(target, ahead):
+    """Each step() commits what it commits without run-ahead, step for step: a request admitted
+    while a step is in flight gets its first token in its admitting step (not one step later),
+    so one cancelled after a given number of steps has the same tokens."""
+    prompts = random_prompts(5, VOCAB, seed=31, max_len=9)
+    arrivals = {0: [0], 1: [1], 3: [2, 3], 6: [4]}
+
+    def serve():
+        with Engine(target, max_rows=3, max_len=32, eos_token_id=[]) as engine:
+            ids, steps, finished = [], [], {}
+            for step in range(14):
+                for i in arrivals.get(step, []):
+                    ids.append(engine.add_request(prompts[i], max_new_tokens=6))
+                if step == 3:
+                    engine.cancel(ids[1])  # admitted at step 1, two steps in
+                streamed = []
+                finished.update((done.id, done.token_ids) for done in engine.step(lambda *s: streamed.append(s)))
+                steps.append(streamed)
+            return steps, [finished[i] for i in ids]
+
+    (on_steps, on), (off_steps, off) = ahead(serve)
+    assert on == off
+    assert on_steps == off_steps
