@@ -407,8 +407,13 @@ class Engine:
             draft = _no_draft(self.batch.num_rows, launched.verdict.token_ids.device)
             cost = launched.cost if wasted is None else VerifyCost(launched.cost.target_tokens + wasted.target_tokens,
                                                                    launched.cost.padding_tokens + wasted.padding_tokens)
-            self._finish(carried, launched.plan, draft, host, cost, launched.plan_time_s,
-                         max(launched.started, self._last_commit), stream, launched.timer)
+            # the step's time runs from the last commit (or its launch, if later): the plans it
+            # counts are those made in that time, its own if launched then and the next step's
+            step_started = max(launched.started, self._last_commit)
+            plan_time_s = launched.plan_time_s if launched.started >= self._last_commit else 0.0
+            plan_time_s += 0.0 if self._launched is None else self._launched.plan_time_s
+            self._finish(carried, launched.plan, draft, host, cost, plan_time_s, step_started, stream,
+                         launched.timer)
         self._last_commit = time.perf_counter()
         if self._launched is not None and not self._launched.still_running(self._rows, self.batch).any():
             self._launched = None  # every row of it ended at this commit

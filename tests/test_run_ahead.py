@@ -184,3 +184,34 @@ def test_a_request_admitted_while_a_step_is_in_flight_gets_its_tokens_at_the_sam
     (on_steps, on), (off_steps, off) = ahead(serve)
     assert on == off
     assert on_steps == off_steps
+
+
+def test_a_steps_plan_time_is_a_share_of_its_step_time(target, monkeypatch):
+    """StepRecord.plan_time_s is the policy's share of step_time_s (the bench's traces and
+    load_stats rely on it): under run-ahead a step's time runs from the last commit, so the plan
+    it counts is the one made in that time."""
+    import time
+
+    from specdec.policies import FixedPolicy
+
+    class SlowPlain(FixedPolicy):
+        def __init__(self):
+            super().__init__(0)
+            self.records = []
+
+        def plan(self, batch, num_drafters):
+            time.sleep(0.004)
+            return super().plan(batch, num_drafters)
+
+        def observe(self, record):
+            self.records.append(record)
+
+    monkeypatch.setattr(run_ahead, "RUN_AHEAD", True)
+    policy = SlowPlain()
+    with Engine(target, policy=policy, max_rows=2, max_len=16, eos_token_id=[]) as engine:
+        for prompt, budget in zip(random_prompts(2, VOCAB, seed=13, max_len=6), [3, 5]):
+            engine.add_request(prompt, max_new_tokens=budget)
+        while engine.has_work():
+            engine.step()
+    assert len(policy.records) == 5
+    assert all(r.step_time_s >= r.plan_time_s for r in policy.records)
