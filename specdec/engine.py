@@ -298,7 +298,7 @@ class Engine:
         if not self.batch.finished.all():
             self._decode(stream)
         else:
-            self._launched = None  # a step launched for rows since cancelled: nothing to commit
+            self._drop_launched()  # a step launched for rows since cancelled: nothing to commit
         done, self._finished = self._finished, []
         return done
 
@@ -416,7 +416,15 @@ class Engine:
                          launched.timer)
         self._last_commit = time.perf_counter()
         if self._launched is not None and not self._launched.still_running(self._rows, self.batch).any():
-            self._launched = None  # every row of it ended at this commit
+            self._drop_launched()  # every row of it ended at this commit
+
+    def _drop_launched(self) -> None:
+        """Forget the launched step, none of whose rows runs any more; its pass ran: the target's
+        tokens count it (what a row ending at an EOS costs)."""
+        if self._launched is not None:
+            self.recorder.target_tokens += self._launched.cost.target_tokens
+            self.recorder.padding_tokens += self._launched.cost.padding_tokens
+            self._launched = None
 
     def _launch(self, batch: BatchState, last_tokens, sampling=None) -> run_ahead.Launched:
         """Launch a plain decoding step over ``batch``'s active rows (the engine's batch, or one

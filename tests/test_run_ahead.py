@@ -215,3 +215,14 @@ def test_a_steps_plan_time_is_a_share_of_its_step_time(target, monkeypatch):
             engine.step()
     assert len(policy.records) == 5
     assert all(r.step_time_s >= r.plan_time_s for r in policy.records)
+
+
+def test_the_pass_launched_for_the_last_rows_ending_at_eos_is_counted(target, ahead):
+    """A row that ends at an EOS costs one pass it does not use, counted in target_tokens, also
+    when it is the last row running (the launched step then never commits)."""
+    prompts = random_prompts(2, VOCAB, seed=4, max_len=8)
+    plain = generate(target, prompts, max_new_tokens=8, eos_token_id=[])
+    eos = [plain.sequences[0][3], plain.sequences[1][5]]  # row 0 ends while row 1 runs, row 1 ends last
+    on, off = ahead(lambda: generate(target, prompts, max_new_tokens=8, eos_token_id=eos))
+    assert on.sequences == off.sequences and [len(s) for s in on.sequences] == [4, 6]
+    assert on.stats.target_tokens == off.stats.target_tokens + 2
