@@ -55,7 +55,7 @@ from .stats import RequestStats, StatsRecorder, StepRecord
 from .timing import PhaseTimer
 from .token_rules import penalises_repeats
 from .transfer import to_device
-from .types import Draft, HostVerdict, Plan, SamplingParams
+from .types import Draft, HostVerdict, Plan, SamplingParams, VerifyCost
 from .verifiers.base import Verifier
 from .verifiers.padding_free import PaddingFreeVerifier
 
@@ -298,7 +298,7 @@ class Engine:
         if not self.batch.finished.all():
             self._decode(stream)
         else:
-            self._launched = None  # a step launched for rows since cancelled: nothing to commit
+            self._drop_launched()  # a step launched for rows since cancelled: nothing to commit
         done, self._finished = self._finished, []
         return done
 
@@ -382,8 +382,14 @@ class Engine:
     def _decode_ahead(self, stream) -> None:
         """A plain decoding step, run ahead (run_ahead.py): launch the next step from the state
         this one's commit will leave, then commit this one (launched by the previous call, or now)."""
-        launched = self._launched or self._launch(self.batch, None)
-        self._launched = None
+        launched, self._launched, wasted = self._launched, None, None
+        if launched is not None:
+            still = launched.still_running(self._rows, self.batch)  # [A]
+            if len(np.setdiff1d(self.batch.active_rows(), launched.rows[still])):
+                # rows admitted since its launch: without run-ahead they emit in this step, so the
+                # step is launched again over every running row (the launched pass is wasted)
+                launched, wasted = None, launched.cost
+        launched = launched or self._launch(self.batch, None)
         still = launched.still_running(self._rows, self.batch)  # [A]
         carried = launched.rows[still]
         ahead = run_ahead.predicted_batch(self.batch, carried)
@@ -399,11 +405,26 @@ class Engine:
         host.num_emitted[dropped] = host.num_accepted[dropped] = 0
         if len(carried):
             draft = _no_draft(self.batch.num_rows, launched.verdict.token_ids.device)
-            self._finish(carried, launched.plan, draft, host, launched.cost, launched.plan_time_s,
-                         max(launched.started, self._last_commit), stream, launched.timer)
+            cost = launched.cost if wasted is None else VerifyCost(launched.cost.target_tokens + wasted.target_tokens,
+                                                                   launched.cost.padding_tokens + wasted.padding_tokens)
+            # the step's time runs from the last commit (or its launch, if later): the plans it
+            # counts are those made in that time, its own if launched then and the next step's
+            step_started = max(launched.started, self._last_commit)
+            plan_time_s = launched.plan_time_s if launched.started >= self._last_commit else 0.0
+            plan_time_s += 0.0 if self._launched is None else self._launched.plan_time_s
+            self._finish(carried, launched.plan, draft, host, cost, plan_time_s, step_started, stream,
+                         launched.timer)
         self._last_commit = time.perf_counter()
         if self._launched is not None and not self._launched.still_running(self._rows, self.batch).any():
-            self._launched = None  # every row of it ended at this commit
+            self._drop_launched()  # every row of it ended at this commit
+
+    def _drop_launched(self) -> None:
+        """Forget the launched step, none of whose rows runs any more; its pass ran: the target's
+        tokens count it (what a row ending at an EOS costs)."""
+        if self._launched is not None:
+            self.recorder.target_tokens += self._launched.cost.target_tokens
+            self.recorder.padding_tokens += self._launched.cost.padding_tokens
+            self._launched = None
 
     def _launch(self, batch: BatchState, last_tokens, sampling=None) -> run_ahead.Launched:
         """Launch a plain decoding step over ``batch``'s active rows (the engine's batch, or one

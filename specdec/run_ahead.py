@@ -15,7 +15,9 @@ exactly the pass that row would get after its predecessor's commit (same token, 
 and parameters; the seeded noise of a draw is a function of seed and position alone). A row that
 ended meanwhile (EOS, stop sequence, ``cancel``), or whose cache row went to a new request, is
 dropped from the verdict before the commit: it emits nothing, and what the pass wrote to its
-cache lies beyond its committed length, stale as a rejected draft's entries are.
+cache lies beyond its committed length, stale as a rejected draft's entries are. A step launched before rows were admitted is launched
+again, over every running row, in their admitting step (its pass wasted): every step commits what
+it commits without run-ahead, so a request's tokens so far (at a ``cancel``) do not depend on it.
 
 The policy (one that never drafts) still plans every step, over the batch as predicted.
 

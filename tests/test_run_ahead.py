@@ -159,3 +159,70 @@ def test_run_ahead_under_cuda_graphs_gives_the_output_without_it(monkeypatch):
     on = serve()
     monkeypatch.setattr(run_ahead, "RUN_AHEAD", False)
     assert on == serve()
+
+
+def test_a_request_admitted_while_a_step_is_in_flight_gets_its_tokens_at_the_same_steps(target, ahead):
+    """Each step() commits what it commits without run-ahead, step for step: a request admitted
+    while a step is in flight gets its first token in its admitting step (not one step later),
+    so one cancelled after a given number of steps has the same tokens."""
+    prompts = random_prompts(5, VOCAB, seed=31, max_len=9)
+    arrivals = {0: [0], 1: [1], 3: [2, 3], 6: [4]}
+
+    def serve():
+        with Engine(target, max_rows=3, max_len=32, eos_token_id=[]) as engine:
+            ids, steps, finished = [], [], {}
+            for step in range(14):
+                for i in arrivals.get(step, []):
+                    ids.append(engine.add_request(prompts[i], max_new_tokens=6))
+                if step == 3:
+                    engine.cancel(ids[1])  # admitted at step 1, two steps in
+                streamed = []
+                finished.update((done.id, done.token_ids) for done in engine.step(lambda *s: streamed.append(s)))
+                steps.append(streamed)
+            return steps, [finished[i] for i in ids]
+
+    (on_steps, on), (off_steps, off) = ahead(serve)
+    assert on == off
+    assert on_steps == off_steps
+
+
+def test_a_steps_plan_time_is_a_share_of_its_step_time(target, monkeypatch):
+    """StepRecord.plan_time_s is the policy's share of step_time_s (the bench's traces and
+    load_stats rely on it): under run-ahead a step's time runs from the last commit, so the plan
+    it counts is the one made in that time."""
+    import time
+
+    from specdec.policies import FixedPolicy
+
+    class SlowPlain(FixedPolicy):
+        def __init__(self):
+            super().__init__(0)
+            self.records = []
+
+        def plan(self, batch, num_drafters):
+            time.sleep(0.004)
+            return super().plan(batch, num_drafters)
+
+        def observe(self, record):
+            self.records.append(record)
+
+    monkeypatch.setattr(run_ahead, "RUN_AHEAD", True)
+    policy = SlowPlain()
+    with Engine(target, policy=policy, max_rows=2, max_len=16, eos_token_id=[]) as engine:
+        for prompt, budget in zip(random_prompts(2, VOCAB, seed=13, max_len=6), [3, 5]):
+            engine.add_request(prompt, max_new_tokens=budget)
+        while engine.has_work():
+            engine.step()
+    assert len(policy.records) == 5
+    assert all(r.step_time_s >= r.plan_time_s for r in policy.records)
+
+
+def test_the_pass_launched_for_the_last_rows_ending_at_eos_is_counted(target, ahead):
+    """A row that ends at an EOS costs one pass it does not use, counted in target_tokens, also
+    when it is the last row running (the launched step then never commits)."""
+    prompts = random_prompts(2, VOCAB, seed=4, max_len=8)
+    plain = generate(target, prompts, max_new_tokens=8, eos_token_id=[])
+    eos = [plain.sequences[0][3], plain.sequences[1][5]]  # row 0 ends while row 1 runs, row 1 ends last
+    on, off = ahead(lambda: generate(target, prompts, max_new_tokens=8, eos_token_id=eos))
+    assert on.sequences == off.sequences and [len(s) for s in on.sequences] == [4, 6]
+    assert on.stats.target_tokens == off.stats.target_tokens + 2
