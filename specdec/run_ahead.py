@@ -15,18 +15,18 @@ exactly the pass that row would get after its predecessor's commit (same token, 
 and parameters; the seeded noise of a draw is a function of seed and position alone). A row that
 ended meanwhile (EOS, stop sequence, ``cancel``), or whose cache row went to a new request, is
 dropped from the verdict before the commit: it emits nothing, and what the pass wrote to its
-cache lies beyond its committed length, stale as a rejected draft's entries are. A step launched before rows were admitted is launched
-again, over every running row, in their admitting step (its pass wasted): every step commits what
-it commits without run-ahead, so a request's tokens so far (at a ``cancel``) do not depend on it.
-
-The policy (one that never drafts) still plans every step, over the batch as predicted.
+cache lies beyond its committed length, stale as a rejected draft's entries are. A step launched
+before rows were admitted is launched again over every running row in their admitting step, so
+every ``step()`` commits what it commits without run-ahead (a request's tokens at a ``cancel``
+do not depend on it). The policy (one that never drafts) still plans every step, over the batch
+as predicted.
 
 Not run ahead: speculative steps (the next draft follows the verdict), repetition penalties (they
 read the committed tokens), tensor-parallel targets (every rank must take the same steps) and
 pipelined engines. Cost: a row that ends at an EOS or stop sequence costs one pass it does not
-use; a request admitted while a step is in flight joins the next one, so its tokens come one
-``step()`` call later (each call, shorter); on the CPU nothing overlaps (``RUN_AHEAD = "cuda"`` keeps it to GPUs; True runs it
-everywhere, as the CPU tests do).
+use, and a step that admits requests one pass more (the one launched before them); both count
+in the target's tokens. On the CPU nothing overlaps (``RUN_AHEAD = "cuda"`` keeps it to GPUs;
+True runs it everywhere, as the CPU tests do).
 """
 
 from __future__ import annotations
