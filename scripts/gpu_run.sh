@@ -5,12 +5,15 @@
 #   SPECDEC_COMMIT=$(git rev-parse --short HEAD) PARTS="tests quick" bash scripts/gpu_run.sh
 #
 # PARTS (space-separated, run in this order):
-#   tests     python -m pytest -m cuda (2-5 min; two-GPU tests run where two GPUs are seen)
+#   tests     python -m pytest -m cuda, over $TEST_WORKERS (default 4) pytest-xdist workers sharing the GPU where
+#             xdist is installed (serially the suite outgrew a call: over 400 s); two-GPU tests run where two are seen
 #   quick     python -m specdec bench --quick (the zoo against Hugging Face and the bandwidth floor, ~4 min)
 #   bench     python -m specdec bench (the same, every batch size, ~7 min)
 #   bandwidth python -m specdec bench --quick --parts bandwidth (the 8B shape's plain step against its floor and HF's
 #             static cache, batch 1 and 16, with the ablation rows of issue 36's changes; no zoo; ~5 min)
-#   host      experiments/host_critical_path.py --compile (the 8B step's host critical path at batch 1; ~1 min)
+#   host      experiments/host_critical_path.py --compile (the 8B step's host critical path at batch 1, run-ahead off; ~1 min)
+#   hostprof  experiments/host_step_profile.py --compile on the gpu zoo's target shape (random weights), plain decoding
+#             and k = 4 with a graphed drafter of the zoo's 4-layer shape: where a speculative step's host time goes
 #   trees     python -m specdec bench --parts trees (chains against token trees, batch $BATCH_SIZES, default 1,4,16,64,
 #             temperatures $TEMPERATURES, default 0,0.8; more options in $TREES_ARGS, e.g. "--dtype float32")
 #   verifiers python -m specdec bench --parts verifiers (padded, padding-free and decomposed verification of ragged
@@ -45,7 +48,8 @@ quiet() { grep -v -i -E "warn|Loading weights|dynamo|generation_config"; }
 TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E "h100|h200" | head -1 | tr 'A-Z' 'a-z')
 TAG=${TAG:-gpu}
 if has tests; then
-  timeout 480 python3 -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$WORK/cuda_tests.log" | tail -25; pack
+  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
+  timeout 480 python3 -m pytest -q -m cuda -p no:cacheprovider $workers 2>&1 | tee "$WORK/cuda_tests.log" | tail -25; pack
 fi
 if has quick || has bench || has trees || has verifiers || has serve || has policies || has demo; then  # the gpu zoo
   timeout 300 python3 -m specdec zoo build --preset gpu --device cuda 2>&1 | tr '\r' '\n' \
@@ -58,6 +62,11 @@ has bandwidth && { timeout ${BANDWIDTH_TIMEOUT:-540} python3 -m specdec bench --
   --out "$WORK" 2>&1 | tee "$WORK/bandwidth.log" | quiet | tail -20; pack; }
 has host && { (cd "$(dirname "$0")/.." && PYTHONPATH=. timeout ${HOST_TIMEOUT:-300} python3 experiments/host_critical_path.py \
   --compile --out "$WORK/host_critical_path.json") 2>&1 | tee "$WORK/host.log" | quiet | tail -20; pack; }
+if has hostprof; then
+  for k in 0 4; do (cd "$(dirname "$0")/.." && PYTHONPATH=. timeout ${HOST_TIMEOUT:-200} python3 experiments/host_step_profile.py \
+    --shape zoo-gpu --compile --k $k --top 45 --out "$WORK/host_profile_zoo_k$k.json") 2>&1 | quiet \
+    | tee "$WORK/host_profile_zoo_k$k.txt" | head -30; pack; done
+fi
 has trees && { timeout ${TREES_TIMEOUT:-540} python3 -m specdec bench --parts trees --no-peers --batch-sizes "${BATCH_SIZES:-1,4,16,64}" \
   --temperatures "${TEMPERATURES:-0,0.8}" --repeats "${REPEATS:-3}" ${TREES_ARGS:-} \
   --out "$WORK" 2>&1 | tee "$WORK/trees.log" | quiet | tail -60; pack; }
