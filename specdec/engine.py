@@ -167,6 +167,8 @@ class Engine:
         # plain decoding launches each step before the one before it commits (run_ahead.py)
         self._runs_ahead = run_ahead.enabled(self.device) and self.policy.max_draft_tokens == 0 and self._group is None
         self._launched: run_ahead.Launched | None = None  # a step launched and not yet committed
+        self._admissions = np.zeros(max_rows, dtype=np.int64)  # [B] requests each row has been given
+        self._no_draft = empty_draft(max_rows, self.device)  # a plain step's draft
         self._last_commit = 0.0  # time.perf_counter() at the last run-ahead commit
         self._stack = contextlib.ExitStack()  # unwinds in reverse: drafters finish, the target detaches, locks go
         try:
@@ -348,6 +350,7 @@ class Engine:
             self.batch.admit(row, request.prompt, request.max_new_tokens, request.seed, request.eos_token_ids,
                              request.sampling)
             self._first_token_s[row] = np.nan
+            self._admissions[row] += 1
             admitted.append(row)
         rows = np.array(admitted, dtype=np.int64)
         if rows.size:
@@ -384,27 +387,26 @@ class Engine:
         this one's commit will leave, then commit this one (launched by the previous call, or now)."""
         launched, self._launched, wasted = self._launched, None, None
         if launched is not None:
-            still = launched.still_running(self._rows, self.batch)  # [A]
+            still = launched.still_running(self._admissions, self.batch)  # [A]
             if len(np.setdiff1d(self.batch.active_rows(), launched.rows[still])):
                 # rows admitted since its launch: without run-ahead they emit in this step, so the
                 # step is launched again over every running row (the launched pass is wasted)
                 launched, wasted = None, launched.cost
-        launched = launched or self._launch(self.batch, None)
-        still = launched.still_running(self._rows, self.batch)  # [A]
+        if launched is None:  # launched now from the committed batch: every row of it runs
+            launched = self._launch(self.batch, None)
+            still = np.ones(len(launched.rows), dtype=bool)
         carried = launched.rows[still]
         ahead = run_ahead.predicted_batch(self.batch, carried)
         rows = ahead.active_rows()
         if len(rows):
             sampling = ahead.sampling_of(rows, self.device)
             if not penalises_repeats(sampling):  # a penalty reads the committed tokens: no running ahead
-                in_launch = np.zeros(self.batch.num_rows, dtype=bool)
-                in_launch[carried] = True
-                self._launched = self._launch(ahead, launched.next_tokens(rows, in_launch[rows], self.batch), sampling)
+                last_tokens = launched.next_tokens(rows, np.isin(rows, carried), self.batch)
+                self._launched = self._launch(ahead, last_tokens, sampling)
         host = launched.copy.wait()
         dropped = launched.rows[~still]  # ended (or re-admitted) since the launch: they emit nothing
         host.num_emitted[dropped] = host.num_accepted[dropped] = 0
         if len(carried):
-            draft = _no_draft(self.batch.num_rows, launched.verdict.token_ids.device)
             cost = launched.cost if wasted is None else VerifyCost(launched.cost.target_tokens + wasted.target_tokens,
                                                                    launched.cost.padding_tokens + wasted.padding_tokens)
             # the step's time runs from the last commit (or its launch, if later): the plans it
@@ -412,10 +414,10 @@ class Engine:
             step_started = max(launched.started, self._last_commit)
             plan_time_s = launched.plan_time_s if launched.started >= self._last_commit else 0.0
             plan_time_s += 0.0 if self._launched is None else self._launched.plan_time_s
-            self._finish(carried, launched.plan, draft, host, cost, plan_time_s, step_started, stream,
+            self._finish(carried, launched.plan, self._no_draft, host, cost, plan_time_s, step_started, stream,
                          launched.timer)
         self._last_commit = time.perf_counter()
-        if self._launched is not None and not self._launched.still_running(self._rows, self.batch).any():
+        if self._launched is not None and not self._launched.still_running(self._admissions, self.batch).any():
             self._drop_launched()  # every row of it ended at this commit
 
     def _drop_launched(self) -> None:
@@ -435,10 +437,10 @@ class Engine:
         timer = PhaseTimer(self.device)
         with timer.phase("verify"):
             sampling = batch.sampling_of(rows, self.device) if sampling is None else sampling
-            verdict, cost = self.verifier.verify(self.runner, batch, _no_draft(batch.num_rows, self.device), sampling,
+            verdict, cost = self.verifier.verify(self.runner, batch, self._no_draft, sampling,
                                                  logprobs=self.return_logprobs, last_tokens=last_tokens)
-        return run_ahead.Launched(rows, [self._rows[row] for row in rows], verdict, verdict.copy_to_host(), cost,
-                                  timer, started, plan, plan_time_s)
+        return run_ahead.Launched(rows, self._admissions[rows], verdict, verdict.copy_to_host(), cost, timer, started,
+                                  plan, plan_time_s)
 
     # The step's parts, in order (pipeline.py interleaves them over micro-batches).
     def _plan(self, batch: BatchState | None = None) -> tuple[Plan, float]:
@@ -538,17 +540,6 @@ class Engine:
         return FinishedRequest(id=request.id, token_ids=token_ids, reason=reason, stats=stats,
                                arrival_s=request.arrival_s, first_token_s=request.first_token_s,
                                finish_s=self.now(), logprobs=logprobs)
-
-
-def _no_draft(num_rows: int, device: torch.device) -> Draft:
-    """No draft for any row (a plain step's), its empty [B, 0] ids made once per shape and device."""
-    key = (num_rows, str(device))
-    if key not in _NO_DRAFTS:
-        _NO_DRAFTS[key] = empty_draft(num_rows, device)
-    return _NO_DRAFTS[key]
-
-
-_NO_DRAFTS: dict = {}
 
 
 def _raise_on_malformed_trees(host, plan: Plan, drafters: list[Drafter]) -> None:

@@ -54,7 +54,7 @@ class Launched:
     """A plain decoding step launched and not yet committed."""
 
     rows: np.ndarray  # [A] the rows of its pass
-    requests: list  # [A] the request each of them held at launch
+    admissions: np.ndarray  # [A] each row's admission count at launch (a new request: another count)
     verdict: Verdict  # over every row, on the device
     copy: HostCopy  # the verdict on its way to the host
     cost: VerifyCost
@@ -63,12 +63,10 @@ class Launched:
     plan: Plan  # the policy's (no drafts), made over the batch it launched from
     plan_time_s: float
 
-    def still_running(self, requests: list, batch: BatchState) -> np.ndarray:
-        """[A] whether each row still runs the request it held at launch (``requests``: the
-        engine's request per row)."""
-        same = np.fromiter((requests[row] is request for row, request in zip(self.rows, self.requests)),
-                           dtype=bool, count=len(self.rows))
-        return same & ~batch.finished[self.rows]
+    def still_running(self, admissions: np.ndarray, batch: BatchState) -> np.ndarray:
+        """[A] whether each row still runs the request it held at launch (``admissions`` [B]: the
+        engine's admission count per row)."""
+        return (admissions[self.rows] == self.admissions) & ~batch.finished[self.rows]
 
     def next_tokens(self, rows: np.ndarray, carried: np.ndarray, batch: BatchState) -> torch.Tensor:
         """[R] on the device: the last token of each of ``rows`` once this step commits: the
@@ -77,7 +75,7 @@ class Launched:
         emitted = self.verdict.token_ids[:, 0]  # [B] a plain step emits one token a row
         if carried.all() and len(rows) == batch.num_rows:
             return emitted
-        committed = np.where(carried, 0, batch.token_ids[rows, batch.lengths[rows] - 1])  # [R]
+        committed = np.where(carried, 0, batch.last_token_ids(rows))  # [R]
         rows_t, carried_t, committed_t = to_device_many([rows, carried, committed], emitted.device)
         return torch.where(carried_t.bool(), emitted[rows_t], committed_t)
 
@@ -90,5 +88,5 @@ def predicted_batch(batch: BatchState, carried: np.ndarray) -> BatchState:
     ahead.lengths = batch.lengths.copy()
     ahead.lengths[carried] += 1
     ahead.finished = batch.finished.copy()
-    ahead.finished[carried] |= ahead.lengths[carried] - batch.prompt_lengths[carried] >= batch.max_new_tokens[carried]
+    ahead.finished[carried] |= ahead.num_generated[carried] >= batch.max_new_tokens[carried]
     return ahead
