@@ -37,9 +37,12 @@ ZOO_DRAFTER = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, 
                    num_key_value_heads=4, vocab_size=8192)
 
 
-def profile_steps(model, batch: int, context: int, new_tokens: int, options: dict) -> tuple[list[dict], int, float]:
+def profile_steps(model, batch: int, context: int, new_tokens: int, options: dict,
+                  every_function: bool = False) -> tuple[list[dict], int, float]:
     """-> (rows of function, own ms a step, cumulative ms a step, calls a step; steps; wall ms a step).
-    options: generate()'s (a drafter and policy for a speculative step; plain decoding by default)."""
+    options: generate()'s (a drafter and policy for a speculative step; plain decoding by default).
+    every_function: torch's and numpy's functions too (builtins: a kernel launch's host cost shows as
+    the own time of the torch function that launched it), else specdec's and the synchronisations."""
     prompts = [[(7 * i + j) % model.config.vocab_size for j in range(context)] for i in range(batch)]
     options = {"policy": FixedPolicy(0), **options}
     for _ in range(2):  # the first call sizes the cache and captures the graphs
@@ -54,11 +57,11 @@ def profile_steps(model, batch: int, context: int, new_tokens: int, options: dic
     stats = pstats.Stats(profiler)
     rows = []
     for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
-        if "specdec" not in path and name not in ("synchronize", "cpu", "item"):
+        if not every_function and "specdec" not in path and name not in ("synchronize", "cpu", "item"):
             continue
         rows.append(dict(function=f"{path.split('specdec/')[-1]}:{line}({name})", own_ms=1000 * own / steps,
                          cumulative_ms=1000 * cumulative / steps, calls=calls / steps))
-    rows.sort(key=lambda r: -r["cumulative_ms"])
+    rows.sort(key=lambda r: -(r["own_ms"] if every_function else r["cumulative_ms"]))
     return rows, steps, 1000 * (wall - out.stats.prefill_time_s) / steps
 
 
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = probe_arguments(__doc__)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--every-function", action="store_true",
+                        help="list torch's and numpy's functions too, by own time (what launches cost)")
     parser.add_argument("--k", type=int, default=0, help="draft length: > 0 drafts with a random model of the gpu "
                         "zoo's 4-layer drafter shape (random weights: nothing is accepted, the step's work is)")
     args = parser.parse_args(argv)
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         options.update(drafter=ModelDrafter(random_model(drafter_shape, args.device, seed=1, dtype=dtype), **graphs),
                        policy=FixedPolicy(args.k))
     rows, steps, wall_ms = profile_steps(model, args.batch, min(args.context, 64 if args.tiny else args.context),
-                                         args.new_tokens, options)
+                                         args.new_tokens, options, args.every_function)
     print(f"{steps} steps, {wall_ms:.3f} ms a step under the profiler (wall less prefill)")
     print(f"{'cumulative ms':>13} {'own ms':>8} {'calls':>6}  function (per step)")
     for row in rows[: args.top]:

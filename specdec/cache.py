@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .inference import inference
+
 
 FUSED_STORE = True  # caches on a GPU: one Triton kernel writes keys and values (triton_cache); False: two index_put
 
@@ -73,7 +75,7 @@ class KVCache:
             raise ValueError("rollback can only shorten rows; use the runner to write new tokens")
         self.lengths[rows] = lengths
 
-    @torch.inference_mode()
+    @inference
     def compact(self, rows: torch.Tensor, source_slots: torch.Tensor, target_slots: torch.Tensor) -> None:
         """Copy every layer's key and value at (rows[m], source_slots[m]) to (rows[m], target_slots[m])
         ([M] device tensors each; all sources are read before any target is written). After a tree

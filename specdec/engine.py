@@ -48,6 +48,7 @@ from .distributed import tensor_parallel_group
 from .drafters.base import Drafter, empty_draft, merge_drafts
 from .policies.base import Policy
 from .policies.fixed import FixedPolicy
+from .inference import inference
 from .prefill import PREFILL_TOKENS, prefill_passes
 from .runner import models_in_use, resolve_backend, runner_for, runners_of
 from .sampling import TREE_PROBLEMS
@@ -292,6 +293,7 @@ class Engine:
         return bool(self._waiting or self.num_running or self._finished)
 
     # ---- the step ----------------------------------------------------------------------------
+    @inference
     def step(self, stream=None) -> list[FinishedRequest]:
         """Admit what fits, run one speculative step over the rows in flight -> the requests that
         finished (or were cancelled) since the last step. stream: called with (request id, token
@@ -304,6 +306,7 @@ class Engine:
         done, self._finished = self._finished, []
         return done
 
+    @inference
     def admit(self) -> np.ndarray:
         """Admit waiting requests into free rows, first come first served, and prefill their
         prompts -> the rows admitted. ``step()`` does this first. On a GPU it waits for the

@@ -88,6 +88,7 @@ class GraphedForward:
          self.group_window_start) = views
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.hidden: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> the kept hidden states its replay writes
+        self.greedy_feeds: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> its greedy feed (capture_greedy_feeds)
         self.captures = 0
         self._pool = None
 
@@ -140,7 +141,8 @@ class GraphedForward:
         tree_starts = np.full(num_groups, self.runner.cache.max_len, dtype=np.int64)
         if tree is not None:
             tree_starts[:real_groups] = tree.tree_starts
-        host = np.zeros(sum(self._sizes), dtype=np.int64)
+        pinned = torch.zeros(sum(self._sizes), dtype=torch.int64, pin_memory=self.runner.device.type == "cuda")
+        host = pinned.numpy()  # filled in place: the transfer's pinned buffer (from the caching host allocator)
         offsets = self._offsets
         host[offsets[1] : offsets[1] + bucket] = positions
         host[offsets[2] : offsets[2] + bucket] = token_rows
@@ -152,7 +154,7 @@ class GraphedForward:
         if sparse is not None:  # dense groups keep sink end 0 and window start 0: every key
             host[offsets[9] : offsets[9] + real_groups] = sparse.sink_ends
             host[offsets[10] : offsets[10] + real_groups] = sparse.window_starts
-        self._device.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        self._device.copy_(pinned, non_blocking=True)
         if input_ids is not None:
             self.input_ids[:num_tokens].copy_(input_ids)
         if tree is not None:
@@ -172,6 +174,7 @@ class GraphedForward:
     def release(self) -> None:
         self.graphs.clear()
         self.hidden.clear()
+        self.greedy_feeds.clear()
         self._pool = None
         self._model = None
         self.runner = None  # break the runner <-> graphs cycle
@@ -182,20 +185,73 @@ class GraphedForward:
 
         The garbage collector is off meanwhile: collecting an old graph during a capture would
         free its memory pool, which invalidates the capture in progress."""
+        with self._capturing():
+            if self.compiled:
+                self._allocate_cache()
+            self._capture_all()
+
+    @contextlib.contextmanager
+    def _capturing(self):
+        """The garbage collector off, and compiled, Dynamo's limits raised and duck sizing off
+        (sizes equal at the first trace would be tied: module docstring)."""
         gc.collect()
         gc.disable()
         try:
             if self.compiled:
-                self._allocate_cache()
                 name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
                 limit = max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT)  # the name before torch 2.7
-                # duck sizing off: sizes equal at the first trace would be tied (module docstring)
                 with torch._dynamo.config.patch(**{name: limit}), _no_duck_shapes():
-                    self._capture_all()
+                    yield
             else:
-                self._capture_all()
+                yield
         finally:
             gc.enable()
+
+    @torch.inference_mode()
+    def capture_greedy_feeds(self) -> None:
+        """Capture, per bucket, a greedy feed: move every token one position on, run the pass
+        (the bucket's own kernels), and write each token's argmax back as its next input. A
+        greedy chain's k - 1 single-token passes are then k - 1 replays with no host work between
+        them (``run_greedy_feeds``). Call once (a drafter's warm-up); needs the runner attached."""
+        if self.greedy_feeds or self.runner.tap is not None:
+            return  # captured already; or a tap, whose hidden states these graphs do not keep
+        empty = np.zeros(0, dtype=np.int64)
+        with self._capturing():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for bucket in reversed(self.buckets):
+                    self._fill(None, empty, empty, empty, bucket)  # filler only: the scratch row
+                    for _ in range(2):
+                        self._greedy_feed(bucket)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                        self._greedy_feed(bucket)
+                    self.greedy_feeds[bucket] = graph
+                    self.captures += 1
+            torch.cuda.current_stream().wait_stream(stream)
+
+    def _greedy_feed(self, bucket: int) -> None:
+        self.positions[:bucket] += 1
+        self.rope_positions[:bucket] += 1
+        self.input_ids[:bucket] = self._run_model(bucket).argmax(dim=-1)  # [bucket]
+
+    def run_greedy_feeds(self, first_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray,
+                         num_passes: int) -> torch.Tensor:
+        """Continue greedy chains by ``num_passes`` single-token passes: row rows[r] is fed
+        first_ids[r] ([R] on the device) at position starts[r], then each pass's argmax at the
+        next position -> the argmax tokens [R, num_passes] (the chains' next tokens). Bitwise the
+        tokens that as many ``run`` calls with an argmax between them give: the same kernels."""
+        num_rows = len(rows)
+        bucket = next(b for b in self.buckets if b >= num_rows)
+        # positions one short: every replay first moves them on (filler: the scratch row's 1, 2, ...)
+        self._fill(first_ids, rows, starts - 1, np.ones(num_rows, dtype=np.int64), bucket)
+        graph = self.greedy_feeds[bucket]
+        chosen = torch.empty(num_rows, num_passes, dtype=torch.int64, device=self.input_ids.device)
+        for index in range(num_passes):
+            graph.replay()
+            chosen[:, index] = self.input_ids[:num_rows]
+        return chosen
 
     def _allocate_cache(self) -> None:
         """One eager pass on the scratch row, so the cache exists before compilation traces it."""

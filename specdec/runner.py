@@ -24,6 +24,7 @@ import torch
 
 from transformers import PreTrainedModel
 
+from .inference import inference
 from .transfer import to_device
 
 from .attention import ATTENTION_NAME, BACKENDS, window_covers_tree
@@ -531,7 +532,7 @@ class ModelRunner:
             self.model.set_attn_implementation(previous_attention)
             self.model.train(was_training)
 
-    @torch.inference_mode()
+    @inference
     def forward(
         self, input_ids: torch.Tensor, layout: PackedLayout, logits_indices: np.ndarray | None = None,
         tree: TreeLayout | None = None, sparse: SparseLayout | None = None, prefill: bool = False,
@@ -585,6 +586,22 @@ class ModelRunner:
             self._check_every_layer_ran()
         self._observe(layout, tree, sparse, meta.token_rows, meta.token_positions)
         return output.logits[0].to(self.device)  # the head may sit on another device (device_map)
+
+    @inference
+    def greedy_chains(self, first_ids: torch.Tensor, rows: np.ndarray, starts: np.ndarray,
+                      num_passes: int) -> torch.Tensor | None:
+        """Continue greedy chains by ``num_passes`` single-token passes from the captured greedy
+        feeds (GraphedForward.run_greedy_feeds): rows[r] is fed first_ids[r] ([R] on the device)
+        at position starts[r], then each pass's argmax -> the argmax tokens [R, num_passes]; None
+        when the feeds cannot run them (no such graphs, a pass that fits none, observers that
+        must hear each pass). The cache's lengths are left to the caller."""
+        graphs = self.graphs
+        if (graphs is None or not graphs.greedy_feeds or self.observers or self.tap is not None
+                or not graphs.fits(np.ones(len(rows), dtype=np.int64))
+                or int(starts.max()) + num_passes > self.cache.max_len):
+            return None
+        self.graph_passes += num_passes
+        return graphs.run_greedy_feeds(first_ids, rows, starts, num_passes)
 
     def _observe(self, layout: PackedLayout, tree: TreeLayout | None, sparse: SparseLayout | None,
                  token_rows: torch.Tensor, token_slots: torch.Tensor) -> None:

@@ -263,7 +263,7 @@ class Verdict:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
+            done.record(current_stream(packed.device))
         else:
             host = packed
         return HostCopy(host, done, self.token_ids.shape[1], self.tree_problems is not None, self.logprobs is not None)

@@ -46,7 +46,8 @@ def test_no_capture_after_the_warm_up():
     drafter_role = drafter.runner_role
     target_runner, drafter_runner = runners_of(target)["target"], runners_of(drafter.model)[drafter_role]
     captured = (target_runner.graphs.captures, drafter_runner.graphs.captures)
-    assert captured == (len(target_runner.graphs.buckets), len(drafter_runner.graphs.buckets))
+    # the drafter's: a pass and a greedy feed a bucket (drafters/model.py)
+    assert captured == (len(target_runner.graphs.buckets), 2 * len(drafter_runner.graphs.buckets))
     again = generate(target, prompts[::-1], drafter=drafter, policy=FixedPolicy(3), max_new_tokens=20, **GRAPHS)
     assert runners_of(target)["target"] is target_runner and runners_of(drafter.model)[drafter_role] is drafter_runner
     assert (target_runner.graphs.captures, drafter_runner.graphs.captures) == captured

@@ -37,6 +37,7 @@ from .tree import TreeSpec, choose_children, select_nodes, sibling_draft_probs, 
 
 
 MAX_CATCH_UP_PASSES = 4  # graphed passes a lagging catch-up may take before one eager pass does it
+GREEDY_FEEDS = True  # under CUDA graphs, a greedy chain's single-token passes replay captured greedy feeds
 
 
 def _free_drafter_role(model, prefix: str = "drafter") -> str:
@@ -84,7 +85,7 @@ class ModelDrafter(Drafter):
     def _current_device(self):
         """Make the drafter's GPU the current one while it works (kernel launches and graph
         capture follow the current device, which is the target's when it sits on another GPU)."""
-        device = self.device()
+        device = self.device() if self._runner is None else self._runner.device  # (the runner's: no walk of the parameters)
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def start(self, batch: BatchState, sampling: SamplingParams, device: torch.device, max_draft_tokens: int) -> None:
@@ -103,11 +104,18 @@ class ModelDrafter(Drafter):
         self._runner.in_use = True
         self._attached = self._runner.attached()
         self._attached.__enter__()
+        if self._runner.graphs is not None and self._feeds_replayable():
+            self._runner.graphs.capture_greedy_feeds()  # once per runner's graphs
         self._seeds = to_device(batch.seeds, self.device())
 
     def start_rows(self, batch: BatchState, rows: np.ndarray) -> None:
         self._runner.cache.lengths[rows] = 0  # the next catch-up feeds each new prompt
         self._seeds[to_device(rows, self._seeds.device)] = to_device(batch.seeds[rows], self._seeds.device)
+
+    def _feeds_replayable(self) -> bool:
+        """Whether a greedy chain's single-token passes may replay the runner's greedy feeds: a
+        chain drafter whose passes are the runner's plain ones (SPIRe's and MagicDec's differ)."""
+        return GREEDY_FEEDS and self.tree is None and type(self)._feed is ModelDrafter._feed
 
     def _graph_group(self) -> int:
         """The most tokens a row feeds in one pass (the graphs' group size): catch-up passes carry
@@ -152,6 +160,10 @@ class ModelDrafter(Drafter):
         seen = (committed_tokens_seen(batch, rows, runner.vocab_size, device)
                 if rules and penalises_repeats(sampling) else None)
         rows_t = to_device(rows, device)  # [R]
+        if greedy and not rules and max_tokens > 1 and self._feeds_replayable() and (num_tokens[rows] == max_tokens).all():
+            chained = self._greedy_chains(logits, rows, rows_t, max_tokens, token_ids)
+            if chained is not None:
+                return Draft(token_ids=chained, num_tokens=num_tokens.copy(), probs=None)
         for depth in range(max_tokens):
             if rules:  # the target's rules at this position, so that fewer drafts are rejected for them
                 logits = apply_token_rules(logits[:, None], batch, rows, token_ids[rows_t, :depth], depth,
@@ -176,6 +188,20 @@ class ModelDrafter(Drafter):
                 sampling = take_rows(sampling, kept)
             logits = self._feed(batch, chosen, rows, depth)  # [R', V]
         return Draft(token_ids=token_ids, num_tokens=num_tokens.copy(), probs=probs)
+
+    def _greedy_chains(self, logits: torch.Tensor, rows: np.ndarray, rows_t: torch.Tensor, length: int,
+                       token_ids: torch.Tensor) -> torch.Tensor | None:
+        """Every asked row's chain of ``length`` tokens, greedy and without token rules: the
+        argmax of the catch-up's logits ([R, V]), then length - 1 replays of the runner's greedy
+        feeds -> token_ids [B, K] filled; None (nothing fed) where the feeds cannot run them."""
+        first = logits.argmax(dim=-1)  # [R]
+        cached = self._runner.cache.lengths
+        rest = self._runner.greedy_chains(first, rows, cached[rows], length - 1)  # [R, length - 1]
+        if rest is None:
+            return None
+        cached[rows] += length - 1
+        token_ids[rows_t] = torch.cat([first[:, None], rest], dim=1)
+        return token_ids
 
     def _feed(self, batch: BatchState, tokens: torch.Tensor, rows: np.ndarray, depth: int) -> torch.Tensor:
         """Feed each row its drafted token ``depth`` ([R] device ids, one per row of ``rows``) right

@@ -21,6 +21,7 @@ class ChunkingGraphs:
     catch-up in chunks; every pass still runs eagerly (``fits`` is False), on CPU."""
 
     max_group_tokens = 2
+    greedy_feeds = {}  # none captured: chains feed pass by pass
 
     def __init__(self):
         self.passes = []
