@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .timing import current_stream
 from .transfer import to_device_many
 
 
