@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 from specdec import Engine, generate
 from specdec.drafters import ModelDrafter
 from specdec.policies import FixedPolicy
+from specdec.bench.harness import environment
 from specdec.bench.pipeline import random_model
 
 from host_step_profile import TINY, ZOO_DRAFTER, ZOO_TARGET, probe_arguments
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
               f"other {row['other']:.2f}")
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump(dict(device=args.device, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
+            env = dict(environment(args.device), command=" ".join(["python experiments/call_overhead_probe.py"] + sys.argv[1:]))
+            json.dump(dict(environment=env, device=args.device, batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                            compile=args.compile, rows=results), handle, indent=1)
     return 0
 

@@ -31,6 +31,12 @@ before capturing them largest first, so that one variant serves every bucket.
 
 Per replay the host gathers all of the pass's integers into one array and copies it into the
 static buffers in one non-blocking transfer (``transfer.to_device``): no synchronisation.
+
+A drafter's runner also captures a greedy feed per bucket (``capture_greedy_feeds``): the
+bucket's pass, preceded by moving every token one position on and followed by writing each
+token's argmax back as its next input. A greedy chain's single-token passes are then that
+graph's replays, one host fill for all of them; they run the bucket's own kernels, so they give
+bitwise the tokens that the passes one by one with an argmax between them give.
 """
 
 from __future__ import annotations

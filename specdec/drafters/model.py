@@ -12,7 +12,9 @@ with the drafter's own noise stream, and returns the distributions.
 
 Cost: k forward passes of the small model per step, the first one carrying the catch-up tokens
 (up to MAX_CATCH_UP_PASSES more when the drafter sat out some steps and its graphs take fewer
-tokens per row than it missed).
+tokens per row than it missed). Under CUDA graphs, a greedy chain with no token rules whose rows
+all ask one length runs its k - 1 single-token passes as replays of the runner's greedy feeds
+(graphs.py: the argmax is inside the graph), with no host work between them (GREEDY_FEEDS).
 """
 
 from __future__ import annotations
