@@ -517,8 +517,10 @@ class Engine:
         self.policy.observe(record)
         for row in rows[batch.finished[rows]]:
             self._finished.append(self._release(self._rows[row], "eos" if batch.stopped[row] else "length"))
-        for request_id, tokens in streamed:  # last: a callback may cancel requests or raise
-            stream(request_id, tokens)
+        if streamed:  # the caller's code, outside the step's inference mode: its tensors are its own
+            with torch.inference_mode(False):
+                for request_id, tokens in streamed:  # last: a callback may cancel requests or raise
+                    stream(request_id, tokens)
 
     def _release(self, request: _Request, reason: str) -> FinishedRequest:
         row = request.row

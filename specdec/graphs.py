@@ -222,6 +222,7 @@ class GraphedForward:
         if self.greedy_feeds or self.runner.tap is not None:
             return  # captured already; or a tap, whose hidden states these graphs do not keep
         empty = np.zeros(0, dtype=np.int64)
+        feeds = {}  # kept only once every bucket has its feed: a capture that fails part-way leaves none
         with self._capturing():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -233,9 +234,10 @@ class GraphedForward:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                         self._greedy_feed(bucket)
-                    self.greedy_feeds[bucket] = graph
+                    feeds[bucket] = graph
                     self.captures += 1
             torch.cuda.current_stream().wait_stream(stream)
+        self.greedy_feeds = feeds
 
     def _greedy_feed(self, bucket: int) -> None:
         self.positions[:bucket] += 1
