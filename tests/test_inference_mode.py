@@ -3,7 +3,6 @@ to the caller's code is the caller's: a stream callback runs outside it, so the 
 are ordinary ones (modifiable in place and usable by autograd once the step has returned), and
 models that generate() ran can be trained afterwards."""
 
-import numpy as np
 import torch
 
 from specdec import Engine, generate

@@ -162,7 +162,8 @@ class ModelDrafter(Drafter):
         seen = (committed_tokens_seen(batch, rows, runner.vocab_size, device)
                 if rules and penalises_repeats(sampling) else None)
         rows_t = to_device(rows, device)  # [R]
-        if greedy and not rules and max_tokens > 1 and self._feeds_replayable() and (num_tokens[rows] == max_tokens).all():
+        if (greedy and not rules and max_tokens > 1 and runner.graphs is not None and runner.graphs.greedy_feeds
+                and self._feeds_replayable() and (num_tokens[rows] == max_tokens).all()):
             chained = self._greedy_chains(logits, rows, rows_t, max_tokens, token_ids)
             if chained is not None:
                 return Draft(token_ids=chained, num_tokens=num_tokens.copy(), probs=None)
