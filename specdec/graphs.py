@@ -221,23 +221,9 @@ class GraphedForward:
         them (``run_greedy_feeds``). Call once (a drafter's warm-up); needs the runner attached."""
         if self.greedy_feeds or self.runner.tap is not None:
             return  # captured already; or a tap, whose hidden states these graphs do not keep
-        empty = np.zeros(0, dtype=np.int64)
-        feeds = {}  # kept only once every bucket has its feed: a capture that fails part-way leaves none
         with self._capturing():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for bucket in reversed(self.buckets):
-                    self._fill(None, empty, empty, empty, bucket)  # filler only: the scratch row
-                    for _ in range(2):
-                        self._greedy_feed(bucket)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                        self._greedy_feed(bucket)
-                    feeds[bucket] = graph
-                    self.captures += 1
-            torch.cuda.current_stream().wait_stream(stream)
-        self.greedy_feeds = feeds
+            captured = self._capture_buckets(self._greedy_feed)
+        self.greedy_feeds = {bucket: graph for bucket, (graph, _) in captured.items()}
 
     def _greedy_feed(self, bucket: int) -> None:
         self.positions[:bucket] += 1
@@ -272,28 +258,42 @@ class GraphedForward:
             self._model = model
 
     def _capture_all(self) -> None:
+        def run(bucket: int):
+            logits = self._run_model(bucket)
+            tap = self.runner.tap  # held here, the tensors the capture kept are never reused in the pool
+            return logits, {} if tap is None else dict(tap.latest)
+
+        for bucket, (graph, (logits, hidden)) in self._capture_buckets(run, trace_first=self.compiled).items():
+            self.graphs[bucket] = (graph, logits)
+            self.hidden[bucket] = hidden
+        self.runner._check_every_layer_ran()  # capturing wrote to the scratch row only
+
+    def _capture_buckets(self, run, trace_first: bool = False) -> dict[int, tuple[torch.cuda.CUDAGraph, object]]:
+        """Capture ``run(bucket)`` for every bucket on a side stream, over filler-only buffers (the
+        scratch row) -> {bucket: (graph, what the captured run returned)}, kept only once all are
+        captured. Largest first: smaller graphs reuse its memory pool; two runs before each capture
+        compile kernels and create library handles outside it. trace_first: one run of every bucket,
+        smallest first, before any (compiled: one variant serves them all, module docstring)."""
+        captured = {}
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         empty = np.zeros(0, dtype=np.int64)
         with torch.cuda.stream(stream):
-            if self.compiled:  # trace the smallest bucket first: one variant serves them all (module docstring)
-                for bucket in self.buckets:
-                    self._fill(None, empty, empty, empty, bucket)
-                    self._run_model(bucket)
-            for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
+            for bucket in self.buckets if trace_first else []:
                 self._fill(None, empty, empty, empty, bucket)
-                for _ in range(2):  # compile kernels and create library handles outside the capture
-                    self._run_model(bucket)
+                run(bucket)
+            for bucket in reversed(self.buckets):
+                self._fill(None, empty, empty, empty, bucket)
+                for _ in range(2):
+                    run(bucket)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    logits = self._run_model(bucket)
+                    output = run(bucket)
                 self._pool = graph.pool() if self._pool is None else self._pool
-                self.graphs[bucket] = (graph, logits)
-                tap = self.runner.tap  # held here, the tensors the capture kept are never reused in the pool
-                self.hidden[bucket] = {} if tap is None else dict(tap.latest)
+                captured[bucket] = (graph, output)
                 self.captures += 1
         torch.cuda.current_stream().wait_stream(stream)
-        self.runner._check_every_layer_ran()  # capturing wrote to the scratch row only
+        return captured
 
     def fits(self, counts: np.ndarray) -> bool:
         return (len(self.graphs) > 0 and int(counts.max()) <= self.max_group_tokens and int(counts.sum()) <= self.max_tokens

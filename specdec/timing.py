@@ -24,9 +24,10 @@ class PhaseTimer:
         host_start = time.perf_counter()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(current_stream(self.device))
+            stream = current_stream(self.device)
+            start.record(stream)
             yield
-            end.record(current_stream(self.device))
+            end.record(stream)
         else:
             yield
             start, end = host_start, time.perf_counter()
